@@ -1,0 +1,29 @@
+"""``compile``: wires capture -> passes -> runtime."""
+from __future__ import annotations
+
+from torch import nn
+
+from .config import DPConfig
+from .runtime.engine import Engine
+
+
+def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, checkpoint=None) -> Engine:
+    """Compile ``model`` into a DP training engine.
+
+    ``model.forward(*batch)`` must return per-sample losses of shape (B,); the objective is
+    their sum (``longshield_fx.CausalLMLoss`` wraps a causal LM this way). Capture happens
+    at the first call of the engine.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile: model must be an nn.Module, got {type(model).__name__}")
+    if config is not None and not isinstance(config, DPConfig):
+        raise TypeError(f"compile: config must be a longshield_fx.DPConfig, got {type(config).__name__}")
+    if mesh is not None:
+        raise NotImplementedError(
+            "compile: context/data parallelism over a DeviceMesh is not implemented yet; pass mesh=None")
+    if checkpoint is not None:
+        raise NotImplementedError(
+            "compile: activation checkpointing is not implemented yet; pass checkpoint=None")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("compile: the model has no trainable parameters (all requires_grad=False)")
+    return Engine(model, config)

@@ -1,0 +1,64 @@
+"""Per-sample training objectives.
+
+DP-SGD clips each sample's gradient, so the library needs the loss as a vector with one entry
+per sample, not as a batch mean: the objective it differentiates is ``loss.sum()``, and a
+sample's entry may depend on that sample only.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    # A Hugging Face model can only exist if transformers is already imported, so checking
+    # sys.modules avoids making transformers a dependency.
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+class CausalLMLoss(nn.Module):
+    """Per-sample summed next-token cross-entropy of a causal LM.
+
+    ``forward(input_ids, labels)`` returns a (B,) fp32 tensor whose entry i is the SUM over
+    positions of the cross-entropy of sample i: ``logits[:, :-1]`` predict ``labels[:, 1:]``
+    (HF convention: pass the input ids as labels, the shift happens here), and positions
+    labelled -100 contribute 0. The training objective is the sum of this vector over samples;
+    each entry depends on its own sample only, which is what per-sample clipping requires.
+    Summing (rather than averaging) over tokens keeps a sample's weight independent of how
+    many of its tokens are masked.
+
+    ``lm`` is either the project's ``Llama`` (returns logits) or a Hugging Face causal LM such
+    as ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` (returns an output with ``.logits``; it is
+    called with ``use_cache=False`` so no cache is built). It is kept as ``self.lm``, so
+    parameter names are ``lm.<name>``. ``position_ids``, if given, are passed to ``lm``; they
+    set positions only, never sequence boundaries: the whole row is one causal sequence.
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.is_hf = _is_hf_model(lm)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs = {} if position_ids is None else {"position_ids": position_ids}
+        if self.is_hf:
+            kwargs["use_cache"] = False
+            if position_ids is not None:
+                # Without an attention_mask, transformers 5 reads any position step other than +1
+                # as the start of a new packed sequence and blocks attention across it; here
+                # positions only place tokens (e.g. a shard's global positions), as in Llama.
+                kwargs["attention_mask"] = torch.ones_like(input_ids)
+        out = self.lm(input_ids, **kwargs)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        logits = logits[:, :-1].float()
+        # Cross-entropy over the class dim of (B, V, T-1) keeps the batch dim leading in every
+        # intermediate tensor; flattening to (B*T, V) would merge it with the sequence dim.
+        token_loss = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:],
+                                     reduction="none", ignore_index=-100)
+        return token_loss.sum(dim=1)

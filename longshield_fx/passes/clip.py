@@ -1,0 +1,156 @@
+"""The ``clip`` pass: per-sample norms, clip factors and clipped sums, inside the graph.
+
+Rewrites: the graph's outputs ``(per_sample_loss, *per-sample grads)`` into
+``(masked loss sum, per-sample norms (B,), *clipped sums)`` where, for each trainable
+parameter, clipped sum = sum_b factor_b * grad_b, in fp32.
+
+The loss cotangent input doubles as the sample mask (1 real, 0 padding): padding rows get
+a zero cotangent, and every per-sample quantity is passed through ``where(mask > 0, ·, 0)``
+so a padding row contributes exactly zero even when its data is garbage (inf/nan).
+
+Clipping (``ctx.config.clipping``):
+- ``"flat"``: one norm over all parameters per sample, factor ``min(1, C / (‖g_b‖ + 1e-6))``
+  (Opacus's formula).
+- ``"per_layer"``: each parameter is a group with threshold ``C / sqrt(K)`` for K groups,
+  so the thresholds' squares sum to C², factor ``min(1, C_k / (‖g_bk‖ + 1e-6))``.
+- ``"automatic"``: ``C / (‖g_b‖ + γ)`` (Bu et al.), each contribution's norm below C.
+
+Assumes: ``per_sample`` ran (``ctx.per_sample``). Guarantees: each sample's contribution to
+the clipped sums has norm ≤ C; norms are computed in fp32 whatever the compute dtype;
+embedding gradients in sparse-row form are clipped and summed from the token ids without
+a (B, V, H) tensor.
+"""
+from __future__ import annotations
+
+import math
+from operator import getitem
+
+import torch
+import torch.fx as fx
+
+from . import PassContext
+from ._graph import GraphBuilder, val
+from .per_sample import PerSampleGrad, Rewriter
+
+aten = torch.ops.aten
+_EPS = 1e-6
+
+
+def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Replace per-sample gradient outputs by clipped sums (see the module docstring)."""
+    cfg = ctx.config
+    graph = gm.graph
+    output = graph.output_node()
+    loss = output.args[0][0]
+    mask = ctx.captured.cotangent_placeholder()
+    b = GraphBuilder(graph, ctx.captured.fake_mode)
+    rw = Rewriter(gm, ctx)
+    B = ctx.batch_size
+    names = ctx.captured.param_names
+    with graph.inserting_before(output):
+        keep = b(aten.gt.Scalar, mask, 0)
+        sq = {name: _sq_norm(rw, b, ctx.per_sample[name], keep) for name in names}
+        total = sq[names[0]]
+        for name in names[1:]:
+            total = b(aten.add.Tensor, total, sq[name])
+        norm = b(aten.sqrt.default, total)
+        if cfg.clipping == "flat":
+            factor = _min1(b, _ratio(b, cfg.max_grad_norm, b(aten.add.Scalar, norm, _EPS)))
+            factors = {name: factor for name in names}
+        elif cfg.clipping == "automatic":
+            factor = _ratio(b, cfg.max_grad_norm, b(aten.add.Scalar, norm, cfg.automatic_gamma))
+            factors = {name: factor for name in names}
+        else:  # per_layer
+            threshold = cfg.max_grad_norm / math.sqrt(len(names))
+            factors = {
+                name: _min1(b, _ratio(b, threshold, b(aten.add.Scalar, b(aten.sqrt.default, sq[name]), _EPS)))
+                for name in names}
+        factors = {name: b(aten.where.ScalarOther, keep, f, 0.0) for name, f in factors.items()}
+        sums = [_weighted_sum(rw, b, ctx.per_sample[name], factors[name], keep) for name in names]
+        loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, keep, loss, 0.0))
+        norms = b(aten.where.ScalarOther, keep, norm, 0.0)
+    output.args = ((loss_sum, norms, *sums),)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _ratio(b, c: float, x: fx.Node) -> fx.Node:
+    """c / x, computed as torch computes ``c / tensor`` (reciprocal then scale)."""
+    return b(aten.mul.Tensor, b(aten.reciprocal.default, x), c)
+
+
+def _min1(b, x: fx.Node) -> fx.Node:
+    return b(aten.clamp_max.default, x, 1.0)
+
+
+def _fp32(b, x: fx.Node) -> fx.Node:
+    return x if val(x).dtype == torch.float32 else b(aten._to_copy.default, x, dtype=torch.float32)
+
+
+def _mask_rows(b, keep: fx.Node, x: fx.Node) -> fx.Node:
+    """where(keep[b], x[b], 0) for a (B, ...) tensor."""
+    shape = [val(keep).shape[0]] + [1] * (val(x).dim() - 1)
+    return b(aten.where.ScalarOther, b(aten.view.default, keep, shape), x, 0.0)
+
+
+def _concat_rows(b, g: PerSampleGrad):
+    if len(g.rows) == 1:
+        return g.rows[0]
+    return (b(aten.cat.default, [i for i, _ in g.rows], 1), b(aten.cat.default, [v for _, v in g.rows], 1))
+
+
+def _sq_norm(rw: Rewriter, b, g: PerSampleGrad, keep) -> fx.Node:
+    """Per-sample squared norm (B,) in fp32."""
+    if g.dense is not None:
+        x = rw.densify(g)
+        dims = list(range(1, val(x).dim()))
+        n = b(aten.linalg_vector_norm.default, x, 2, dims, False, dtype=torch.float32)
+        return b(aten.mul.Tensor, n, n)
+    return _rows_sq_norm(b, *_concat_rows(b, g), num_rows=g.shape[0])
+
+
+def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, num_rows: int) -> fx.Node:
+    """‖g_b‖² for g_b = sum_j values[b, j] placed at row indices[b, j], from the ids.
+
+    Sort the (sample, row) keys; equal keys are adjacent, so a cumulative count of key
+    changes numbers the segments; index_add sums each segment's rows; the squared norms
+    of the segment sums add up per sample. Fixed shapes: (B*n, H) at most.
+    """
+    B, n = val(indices).shape
+    H = math.prod(val(values).shape[2:])
+    offsets = b(aten.mul.Tensor, b(aten.arange.default, B, device=val(indices).device), num_rows)
+    keys = b(aten.view.default, b(aten.add.Tensor, indices, b(aten.unsqueeze.default, offsets, 1)), [B * n])
+    sort = b(aten.sort.default, keys)
+    sorted_keys, order = b(getitem, sort, 0), b(getitem, sort, 1)
+    changed = b(aten.ne.Tensor, b(aten.slice.Tensor, sorted_keys, 0, 1, B * n),
+                b(aten.slice.Tensor, sorted_keys, 0, 0, B * n - 1))
+    new_segment = b(aten.cat.default, [b(aten.ones.default, [1], dtype=torch.bool, device=val(indices).device), changed])
+    segment = b(aten.sub.Tensor, b(aten.cumsum.default, new_segment, 0), 1)
+    rows = b(aten.index_select.default, b(aten.view.default, _fp32(b, values), [B * n, H]), 0, order)
+    sums = b(aten.index_add.default, b(aten.zeros.default, [B * n, H], dtype=torch.float32, device=val(values).device),
+             0, segment, rows)
+    seg_sq = b(aten.sum.dim_IntList, b(aten.mul.Tensor, sums, sums), [1])
+    sample_of_key = b(aten.div.Tensor_mode, sorted_keys, num_rows, rounding_mode="floor")
+    seg_sample = b(aten.scatter.src, b(aten.zeros.default, [B * n], dtype=torch.int64, device=val(indices).device),
+                   0, segment, sample_of_key)
+    return b(aten.index_add.default, b(aten.zeros.default, [B], dtype=torch.float32, device=val(values).device),
+             0, seg_sample, seg_sq)
+
+
+def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node) -> fx.Node:
+    """sum_b factor[b] * g_b in fp32, with padding rows masked out."""
+    out = None
+    if g.dense is not None:
+        dense = rw.densify(g)
+        out = b(aten.einsum.default, "b,b...->...", [factor, _mask_rows(b, keep, _fp32(b, dense))])
+        return out
+    V, row = g.shape[0], list(g.shape[1:])
+    indices, values = _concat_rows(b, g)
+    B, n = val(indices).shape
+    scaled = b(aten.mul.Tensor, _mask_rows(b, keep, _fp32(b, values)), b(aten.view.default, factor, [B, 1] + [1] * len(row)))
+    zeros = b(aten.zeros.default, [V, *row], dtype=torch.float32, device=val(values).device)
+    return b(aten.index_add.default, zeros, 0, b(aten.view.default, indices, [B * n]),
+             b(aten.view.default, scaled, [B * n, *row]))
+
+

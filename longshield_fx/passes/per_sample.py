@@ -1,0 +1,375 @@
+"""The ``per_sample`` pass: rewrite every trainable parameter's gradient into per-sample form.
+
+Rewrites: the backward ops that reduce a weight gradient over the batch (found by the
+``batch_dims`` tags, matched on aten ops through views) into ops that keep the batch:
+
+- ``mm(t(grad2d), act2d)`` over folded (B*T) rows -> ``einsum("btp,btd->bpd")`` on the
+  un-folded (B, T, ·) tensors (linear weights, either orientation);
+- ``sum`` over the batch (biases, RMSNorm weights) -> the same sum over T only;
+- ``native_layer_norm_backward`` weight/bias -> sums over T of ``grad * x_hat`` / ``grad``;
+- ``embedding_dense_backward`` -> sparse rows: token ids (B, n) and gradient rows (B, n, H),
+  so no (B, V, H) tensor is made for a large vocabulary;
+- the ops between such a reduction and the parameter's gradient output (views,
+  transposes, casts, the ``add`` that sums tied-weight contributions) are applied
+  per sample, so a tied embedding gets both contributions of each sample.
+
+Assumes: ``batch_dims`` has tagged the graph.
+
+Guarantees: ``ctx.per_sample[name]`` is a ``PerSampleGrad`` for every trainable
+parameter; the graph returns ``(per_sample_loss, *dense per-sample grads)`` with shapes
+(B, *param.shape) whose sum over B equals the original gradient. A gradient reached
+through an op no rule knows raises ``UnsupportedModelError`` naming the parameter, the op
+and the way out. Users add rules with ``longshield_fx.per_sample_rule(op)``.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedModelError
+from . import PassContext
+from ._graph import GraphBuilder, module_of, val
+from .batch_dims import BatchDim, batch_dim
+
+aten = torch.ops.aten
+
+
+@dataclass
+class PerSampleGrad:
+    """One parameter's per-sample gradient as graph nodes.
+
+    Sample b's gradient is ``dense[b]`` plus, for each ``(indices, values)`` in ``rows``,
+    ``values[b, j]`` added to row ``indices[b, j]``. ``dense`` is (B, *shape) or None;
+    ``indices`` is (B, n) int64 and ``values`` (B, n, *shape[1:]).
+    """
+
+    shape: tuple
+    dense: fx.Node | None = None
+    rows: tuple = ()
+
+    def __add__(self, other: "PerSampleGrad") -> "PerSampleGrad":
+        raise TypeError("use Rewriter.add: adding needs graph nodes")
+
+
+class Rewriter:
+    """What a per-sample rule gets: graph building, batch geometry, and recursion."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext):
+        self.graph = gm.graph
+        self.B = ctx.batch_size
+        self.call = GraphBuilder(gm.graph, ctx.captured.fake_mode)
+        self._memo: dict[fx.Node, PerSampleGrad] = {}
+        self.param = ""
+        self.rules: set[str] = set()
+        self.batch_derived = _batch_derived(gm.graph)
+
+    # --- geometry -------------------------------------------------------------------
+    def unfold(self, node: fx.Node) -> tuple[fx.Node, list]:
+        """View a batched node with the batch as a new leading dimension.
+
+        Returns ``(node_u, axis_of)``: ``node_u`` has shape (B, *dims before the batch dim,
+        [inner], *dims after) and ``axis_of[e]`` is where original dim e went (None for the
+        batch dim when each sample owns one row). Looks through a view whose input
+        already has that shape, so ``view(g3d, (B*T, p))`` unfolds back to ``g3d``.
+        """
+        tag: BatchDim = batch_dim(node)
+        shape = list(val(node).shape)
+        d, inner = tag.dim, tag.inner
+        new_shape = shape[:d] + ([inner] if inner != 1 else []) + shape[d + 1:]
+        axis_of = [e + 1 for e in range(d)] + ([d + 1] if inner != 1 else [None]) + \
+                  [e + (1 if inner != 1 else 0) for e in range(d + 1, len(shape))]
+        # (B, *rest) in row-major order only when the batch leads; else view then move.
+        split = shape[:d] + [self.B] + ([inner] if inner != 1 else []) + shape[d + 1:]
+        source = node
+        if node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) \
+                and list(val(node.args[0]).shape) == split:
+            source = node.args[0]
+        x = source if list(val(source).shape) == split else self.call(aten.view.default, node, split)
+        if d != 0:
+            x = self.call(aten.movedim.int, x, d, 0)
+        assert list(val(x).shape) == [self.B] + new_shape
+        return x, axis_of
+
+    def per_sample_sum(self, node: fx.Node, dims, out_shape) -> fx.Node:
+        """Per-sample version of ``sum(node, dims)`` where dims include the batch dim."""
+        x, axis_of = self.unfold(node)
+        rdims = [axis_of[e] for e in dims if axis_of[e] is not None]
+        y = self.call(aten.sum.dim_IntList, x, rdims) if rdims else x
+        if list(val(y).shape) != [self.B, *out_shape]:
+            y = self.call(aten.view.default, y, [self.B, *out_shape])
+        return y
+
+    # --- recursion --------------------------------------------------------------------
+    def rep(self, node: fx.Node) -> PerSampleGrad:
+        """The per-sample form of an unbatched, batch-derived node (a gradient piece)."""
+        if node in self._memo:
+            return self._memo[node]
+        if node not in self.batch_derived:
+            raise UnsupportedModelError(
+                f"parameter {self.param!r}: its gradient combines per-sample data with a constant at "
+                f"{node.name} ({node.target}); the per-sample form is undefined. Way out: freeze the "
+                "parameter or register a rule with longshield_fx.per_sample_rule.")
+        key = node.target
+        if key is operator.getitem:
+            key = (node.args[0].target, node.args[1])
+        rule = _RULES.get(key) or _RULES.get(node.target)
+        if rule is None:
+            raise UnsupportedModelError(
+                f"parameter {self.param!r}: no per-sample rule for {node.target} (node {node.name}, "
+                f"from {module_of(node)}) on the path to its gradient. Way out: freeze the parameter "
+                "(requires_grad=False) or register a rule with @longshield_fx.per_sample_rule(op).")
+        with self.graph.inserting_before(node):
+            out = rule(self, node)
+        self.rules.add(getattr(rule, "rule_name", rule.__name__.strip("_")))
+        self._memo[node] = out
+        return out
+
+    def add(self, a: PerSampleGrad, b: PerSampleGrad) -> PerSampleGrad:
+        if a.dense is None or b.dense is None:
+            dense = a.dense if b.dense is None else b.dense
+        else:
+            dense = self.call(aten.add.Tensor, a.dense, b.dense)
+        return PerSampleGrad(a.shape, dense, a.rows + b.rows)
+
+    def densify(self, g: PerSampleGrad) -> fx.Node:
+        """(B, *shape) dense form; index_add of sparse rows into a flat (B*V, ·) buffer."""
+        if not g.rows:
+            return g.dense
+        V, row = g.shape[0], list(g.shape[1:])
+        B = self.B
+        dtype = val(g.rows[0][1]).dtype
+        flat = self.call(aten.zeros.default, [B * V, *row], dtype=dtype, device=val(g.rows[0][1]).device)
+        offsets = self.call(aten.mul.Tensor, self.call(aten.arange.default, B, device=val(g.rows[0][0]).device), V)
+        for indices, values in g.rows:
+            n = val(indices).shape[1]
+            idx = self.call(aten.add.Tensor, indices, self.call(aten.unsqueeze.default, offsets, 1))
+            flat = self.call(aten.index_add.default, flat, 0, self.call(aten.view.default, idx, [B * n]),
+                             self.call(aten.view.default, values, [B * n, *row]))
+        out = self.call(aten.view.default, flat, [B, V, *row])
+        return out if g.dense is None else self.call(aten.add.Tensor, g.dense, out)
+
+
+def _batch_derived(graph: fx.Graph) -> set[fx.Node]:
+    derived = set()
+    for node in graph.nodes:
+        if batch_dim(node) is not None:
+            derived.add(node)
+        else:
+            ins: list[fx.Node] = []
+            fx.node.map_arg((node.args, node.kwargs), ins.append)
+            if any(i in derived for i in ins):
+                derived.add(node)
+    return derived
+
+
+# ---------------------------------------------------------------------------------------
+_RULES: dict = {}
+
+
+def per_sample_rule(*ops, name: str | None = None):
+    """Register ``fn(rw: Rewriter, node) -> PerSampleGrad`` for gradient ops.
+
+    Use it for a layer whose weight gradient comes from an op longshield_fx does not
+    know (e.g. your own ``torch.library`` op). ``op`` may be an op overload, or
+    ``(op, i)`` for output i of a multi-output op. The rule runs with the insertion point
+    before ``node`` and must return the per-sample gradient of ``node``'s value.
+    """
+
+    def deco(fn):
+        fn.rule_name = name or fn.__name__.strip("_")
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def _dense(rw: Rewriter, node: fx.Node, dense: fx.Node) -> PerSampleGrad:
+    return PerSampleGrad(tuple(val(node).shape), dense)
+
+
+def _input_rep(rw: Rewriter, node: fx.Node, x: fx.Node) -> fx.Node:
+    g = rw.rep(x)
+    return rw.densify(g)
+
+
+@per_sample_rule(aten.mm.default, name="linear")
+def _mm(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    a, b = node.args
+    if batch_dim(a) is None and batch_dim(b) is None:  # a piece already reduced upstream
+        if a in rw.batch_derived and b not in rw.batch_derived:
+            x = _input_rep(rw, node, a)  # (B, m, k) @ (k, n)
+            return _dense(rw, node, rw.call(aten.matmul.default, x, b))
+        if b in rw.batch_derived and a not in rw.batch_derived:
+            return _dense(rw, node, rw.call(aten.matmul.default, a, _input_rep(rw, node, b)))
+        raise UnsupportedModelError(f"parameter {rw.param!r}: product of two gradient pieces at {node.name}")
+    operands = []
+    for x, labels in ((a, "mk"), (b, "kn")):
+        if x.target == aten.t.default and batch_dim(x.args[0]) is not None:
+            x, labels = x.args[0], labels[::-1]
+        if batch_dim(x) is None:
+            raise UnsupportedModelError(
+                f"parameter {rw.param!r}: {node.name} contracts per-sample data with shared data")
+        tag = batch_dim(x)
+        if labels[tag.dim] != "k":
+            raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} keeps the batch in an output dim")
+        xu, _ = rw.unfold(x)
+        batch_labels = "b" + labels[: tag.dim] + ("t" if tag.inner != 1 else "") + labels[tag.dim + 1:]
+        operands.append((xu, batch_labels))
+    (xa, la), (xb, lb) = operands
+    out = rw.call(aten.einsum.default, f"{la},{lb}->bmn", [xa, xb])
+    return _dense(rw, node, out)
+
+
+@per_sample_rule(aten.sum.dim_IntList, aten.sum.default, name="sum")
+def _sum(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    x = node.args[0]
+    rank = val(x).dim()
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] else list(range(rank))
+    dims = [d % rank for d in dims] if rank else []
+    out_shape = list(val(node).shape)
+    if batch_dim(x) is not None:
+        if batch_dim(x).dim not in dims:
+            raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} keeps the batch dimension")
+        return _dense(rw, node, rw.per_sample_sum(x, dims, out_shape))
+    keepdim = len(node.args) > 2 and node.args[2]
+    y = rw.call(aten.sum.dim_IntList, _input_rep(rw, node, x), [d + 1 for d in dims], keepdim)
+    return _dense(rw, node, y)
+
+
+@per_sample_rule((aten.native_layer_norm_backward.default, 1), (aten.native_layer_norm_backward.default, 2),
+                 name="layer_norm")
+def _layer_norm(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    grad_out, x, normalized_shape, mean, rstd = node.args[0].args[:5]
+    lead = list(range(val(x).dim() - len(normalized_shape)))
+    if node.args[1] == 1:  # weight: sum over leading dims of grad * x_hat
+        x_hat = rw.call(aten.mul.Tensor, rw.call(aten.sub.Tensor, x, mean), rstd)
+        x_hat.meta["batch_dim"] = batch_dim(x)
+        piece = rw.call(aten.mul.Tensor, grad_out, x_hat)
+        piece.meta["batch_dim"] = batch_dim(x)
+    else:
+        piece = grad_out
+    return _dense(rw, node, rw.per_sample_sum(piece, lead, list(val(node).shape)))
+
+
+@per_sample_rule(aten.embedding_dense_backward.default, name="embedding")
+def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    grad, indices, num_weights, padding_idx, scale_grad_by_freq = node.args
+    if scale_grad_by_freq:
+        raise UnsupportedModelError(
+            f"parameter {rw.param!r}: embedding with scale_grad_by_freq=True scales by in-batch counts, "
+            "which mixes samples. Way out: scale_grad_by_freq=False.")
+    B = rw.B
+    H = val(node).shape[1]
+    if batch_dim(grad) is not None:
+        values, _ = rw.unfold(grad)
+    else:
+        values = _input_rep(rw, node, grad)
+    n = val(values).numel() // (B * H)
+    values = rw.call(aten.view.default, values, [B, n, H])
+    if batch_dim(indices) is not None:
+        ids, _ = rw.unfold(indices)
+        ids = rw.call(aten.view.default, ids, [B, n])
+    else:
+        ids = rw.call(aten.expand.default, rw.call(aten.view.default, indices, [1, n]), [B, n])
+    if padding_idx is not None and padding_idx >= 0:
+        is_pad = rw.call(aten.unsqueeze.default, rw.call(aten.eq.Scalar, ids, padding_idx), 2)
+        values = rw.call(aten.where.ScalarOther, is_pad, values, 0.0) if False else \
+            rw.call(aten.mul.Tensor, values, rw.call(aten.logical_not.default, is_pad))
+    return PerSampleGrad(tuple(val(node).shape), None, ((ids, values),))
+
+
+# --- ops between a reduction and the gradient output, applied per sample ---------------
+
+@per_sample_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, name="view")
+def _view(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    g = rw.rep(node.args[0])
+    shape = list(val(node).shape)
+    if g.rows and list(g.shape) == shape:
+        return g
+    return _dense(rw, node, rw.call(aten.view.default, rw.densify(g), [rw.B, *shape]))
+
+
+@per_sample_rule(aten.t.default, aten.transpose.int, aten.permute.default, name="transpose")
+def _transpose(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    x = rw.densify(rw.rep(node.args[0]))
+    rank = val(node).dim()
+    if node.target == aten.t.default:
+        perm = list(range(rank))[::-1]
+    elif node.target == aten.transpose.int:
+        perm = list(range(rank))
+        i, j = node.args[1] % rank, node.args[2] % rank
+        perm[i], perm[j] = perm[j], perm[i]
+    else:
+        perm = [d % rank for d in node.args[1]]
+    return _dense(rw, node, rw.call(aten.permute.default, x, [0] + [p + 1 for p in perm]))
+
+
+@per_sample_rule(aten.add.Tensor, name="add")
+def _add(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    a, b = node.args[:2]
+    if len(node.args) > 2 or node.kwargs.get("alpha", 1) != 1:
+        raise UnsupportedModelError(f"parameter {rw.param!r}: add with alpha at {node.name}")
+    return rw.add(rw.rep(a), rw.rep(b))
+
+
+@per_sample_rule(aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, name="scale")
+def _scale(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    a, b = node.args[:2]
+    if isinstance(b, fx.Node) and b in rw.batch_derived:
+        if node.target in (aten.div.Tensor, aten.div.Scalar) or a in rw.batch_derived:
+            raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} divides/multiplies gradient pieces")
+        a, b = b, a
+    if isinstance(b, fx.Node) and val(b) is not None and val(b).dim() > 0:
+        x = rw.densify(rw.rep(a))
+        return _dense(rw, node, rw.call(node.target, x, b))
+    g = rw.rep(a)
+    dense = rw.call(node.target, g.dense, b) if g.dense is not None else None
+    rows = tuple((i, rw.call(node.target, v, b)) for i, v in g.rows)
+    return PerSampleGrad(g.shape, dense, rows)
+
+
+@per_sample_rule(aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default,
+                 name="cast")
+def _cast(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    g = rw.rep(node.args[0])
+    dense = rw.call(node.target, g.dense, *node.args[1:], **node.kwargs) if g.dense is not None else None
+    rows = tuple((i, rw.call(node.target, v, *node.args[1:], **node.kwargs)) for i, v in g.rows)
+    return PerSampleGrad(g.shape, dense, rows)
+
+
+@per_sample_rule(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, name="view")
+def _squeeze(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    x = rw.densify(rw.rep(node.args[0]))
+    return _dense(rw, node, rw.call(aten.view.default, x, [rw.B, *val(node).shape]))
+
+
+# ---------------------------------------------------------------------------------------
+
+def per_sample(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Rewrite parameter gradients into per-sample form (see the module docstring)."""
+    rw = Rewriter(gm, ctx)
+    output = gm.graph.output_node()
+    loss, *grads = output.args[0]
+    dense_outputs = []
+    for name, grad in zip(ctx.captured.param_names, grads):
+        rw.param, rw.rules = name, set()
+        if batch_dim(grad) is not None or grad not in rw.batch_derived:
+            raise UnsupportedModelError(
+                f"parameter {name!r}: its gradient ({grad.name}) is not a reduction over samples; "
+                "longshield_fx cannot form per-sample gradients for it. Way out: freeze it.")
+        g = rw.rep(grad)
+        if tuple(g.shape) != tuple(val(grad).shape):
+            raise AssertionError(f"per-sample shape {g.shape} != gradient shape {tuple(val(grad).shape)}")
+        ctx.per_sample[name] = g
+        ctx.rules_used[name] = "+".join(sorted(rw.rules - {"view", "transpose", "cast", "add", "scale"})) or "?"
+        with gm.graph.inserting_before(output):
+            dense_outputs.append(rw.densify(g))
+    output.args = ((loss, *dense_outputs),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm

@@ -1,0 +1,109 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longshield_fx.losses import CausalLMLoss
+from longshield_fx.models import Llama
+
+
+def reference(logits, labels):
+    """Hand loop: per sample, summed cross-entropy of shifted logits/labels."""
+    return torch.stack([
+        F.cross_entropy(logits[i, :-1].float(), labels[i, 1:], reduction="sum", ignore_index=-100)
+        for i in range(logits.shape[0])
+    ])
+
+
+def tiny():
+    torch.manual_seed(0)
+    return Llama.from_name("tiny").eval()
+
+
+def test_matches_per_sample_loop():
+    lm = tiny()
+    ids = torch.randint(0, 256, (3, 16))
+    loss = CausalLMLoss(lm)(ids, ids)
+    assert loss.shape == (3,) and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, reference(lm(ids), ids))
+
+
+def test_ignores_minus_100():
+    lm = tiny()
+    ids = torch.randint(0, 256, (3, 16))
+    labels = ids.clone()
+    labels[0, 8:] = -100
+    labels[2] = -100
+    loss = CausalLMLoss(lm)(ids, labels)
+    torch.testing.assert_close(loss, reference(lm(ids), labels))
+    assert loss[2] == 0
+    expected0 = F.cross_entropy(lm(ids)[0, :7], ids[0, 1:8], reduction="sum")
+    torch.testing.assert_close(loss[0], expected0)
+
+
+def test_sample_loss_depends_on_own_sample_only():
+    loss_fn = CausalLMLoss(tiny())
+    ids = torch.randint(0, 256, (3, 16))
+    other = ids.clone()
+    other[1] = torch.randint(0, 256, (16,))
+    a, b = loss_fn(ids, ids), loss_fn(other, other)
+    torch.testing.assert_close(a[[0, 2]], b[[0, 2]])
+    assert a[1] != b[1]
+
+
+def test_parameter_names_and_position_ids():
+    loss_fn = CausalLMLoss(tiny())
+    assert all(name.startswith("lm.") for name, _ in loss_fn.named_parameters())
+    ids = torch.randint(0, 256, (2, 10))
+    torch.testing.assert_close(loss_fn(ids, ids, position_ids=torch.arange(10)[None]), loss_fn(ids, ids))
+    # RoPE is relative: shifting all positions changes nothing, stretching them does.
+    torch.testing.assert_close(loss_fn(ids, ids, position_ids=torch.arange(10)[None] + 3), loss_fn(ids, ids))
+    assert not torch.allclose(loss_fn(ids, ids, position_ids=torch.arange(10)[None] * 2), loss_fn(ids, ids))
+
+
+def test_bf16_model_loss_in_fp32():
+    lm = tiny().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 8))
+    loss = CausalLMLoss(lm)(ids, ids)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, reference(lm(ids), ids))
+
+
+def hf_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, attn_implementation="sdpa",
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("make", [hf_llama, hf_gpt2])
+def test_hugging_face_models(make):
+    torch.manual_seed(0)
+    lm = make().eval()
+    loss_fn = CausalLMLoss(lm)
+    assert loss_fn.is_hf
+    ids = torch.randint(0, 256, (2, 12))
+    labels = ids.clone()
+    labels[1, :5] = -100
+    with torch.no_grad():
+        logits = lm(ids, use_cache=False).logits
+        torch.testing.assert_close(loss_fn(ids, labels), reference(logits, labels))
+        pos = torch.arange(12)[None]
+        torch.testing.assert_close(loss_fn(ids, labels, position_ids=pos), loss_fn(ids, labels))
+        # Uneven positions stay one causal sequence (HF alone would split it at every jump).
+        pos = torch.arange(12)[None] * 2
+        whole = lm(ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        split = lm(ids, position_ids=pos, use_cache=False).logits
+        assert not torch.allclose(whole, split)
+        torch.testing.assert_close(loss_fn(ids, labels, position_ids=pos), reference(whole, labels))
