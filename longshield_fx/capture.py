@@ -31,6 +31,8 @@ class CapturedGraph:
     inputs: list[tuple[str, object]]
     param_names: list[str]  # trainable parameters, in output order
     grad_nodes: dict[str, fx.Node] = field(default_factory=dict)
+    # Inputs the forward mutates (e.g. running statistics); the engine refuses these.
+    mutations: list[str] = field(default_factory=list)
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -75,7 +77,10 @@ def capture(model: nn.Module, example_batch: tuple) -> CapturedGraph:
     # Frozen parameters become plain inputs of the joint graph; toggling requires_grad
     # on the live model is avoided: we only read it.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    with fx_traceback.preserve_node_meta():
+    # Static shapes: a second capture of the same code with another batch size would
+    # otherwise turn sizes symbolic (dynamo's automatic dynamic shapes).
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
+            fx_traceback.preserve_node_meta():
         dynamo_gm = dynamo_graph_capture_for_export(model)(*example_batch)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._guards.tracing(dynamo_gm.meta["tracing_context"]))
@@ -87,7 +92,7 @@ def capture(model: nn.Module, example_batch: tuple) -> CapturedGraph:
 def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str]) -> CapturedGraph:
     """Give the joint graph flat inputs and outputs ``(loss, *grads)``."""
     from torch._functorch._aot_autograd.descriptors import (
-        BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, TangentAOTInput)
+        BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, PlainAOTOutput, TangentAOTInput)
 
     graph = gm.graph
     inputs: list[tuple[str, object]] = []
@@ -110,13 +115,15 @@ def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str]) -> CapturedGrap
 
     output = graph.output_node()
     outs, descs = output.args[0], output.meta.get("desc")
-    loss, grads = None, {}
+    loss, grads, mutated = None, {}, []
     for out, desc in zip(outs, descs):
         if isinstance(desc, GradAOTOutput) and isinstance(desc.grad_of, ParamAOTInput):
             if desc.grad_of.target in trainable and out is not None:
                 grads[desc.grad_of.target] = out
-        elif desc is not None and not isinstance(desc, GradAOTOutput) and loss is None:
+        elif isinstance(desc, PlainAOTOutput):
             loss = out
+        elif desc is not None and not isinstance(desc, GradAOTOutput):
+            mutated.append(str(desc))
     param_names = [key for kind, key in inputs if kind == "param" and key in trainable]
     missing = [n for n in param_names if n not in grads]
     if missing:
@@ -129,4 +136,4 @@ def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str]) -> CapturedGrap
     output.meta.pop("desc", None)
     graph.eliminate_dead_code()
     gm.recompile()
-    return CapturedGraph(gm, fake_mode, inputs, param_names, dict(grads))
+    return CapturedGraph(gm, fake_mode, inputs, param_names, dict(grads), mutated)

@@ -68,6 +68,26 @@ class Rewriter:
         self.batch_derived = _batch_derived(gm.graph)
 
     # --- geometry -------------------------------------------------------------------
+    def view(self, x: fx.Node, shape) -> fx.Node:
+        """view, skipping no-op views and collapsing a view of a view we made."""
+        if list(val(x).shape) == list(shape):
+            return x
+        if x.target == aten.view.default and x.meta.get("per_sample"):
+            x = x.args[0]
+        out = self.call(aten.view.default, x, list(shape))
+        out.meta["per_sample"] = True
+        return out
+
+    def permute(self, x: fx.Node, perm) -> fx.Node:
+        """permute, composing with a permute we made and skipping the identity."""
+        if x.target == aten.permute.default and x.meta.get("per_sample"):
+            x, perm = x.args[0], [x.args[1][p] for p in perm]
+        if list(perm) == list(range(len(perm))):
+            return x
+        out = self.call(aten.permute.default, x, list(perm))
+        out.meta["per_sample"] = True
+        return out
+
     def unfold(self, node: fx.Node) -> tuple[fx.Node, list]:
         """View a batched node with the batch as a new leading dimension.
 
@@ -99,9 +119,7 @@ class Rewriter:
         x, axis_of = self.unfold(node)
         rdims = [axis_of[e] for e in dims if axis_of[e] is not None]
         y = self.call(aten.sum.dim_IntList, x, rdims) if rdims else x
-        if list(val(y).shape) != [self.B, *out_shape]:
-            y = self.call(aten.view.default, y, [self.B, *out_shape])
-        return y
+        return self.view(y, [self.B, *out_shape])
 
     # --- recursion --------------------------------------------------------------------
     def rep(self, node: fx.Node) -> PerSampleGrad:
@@ -291,7 +309,7 @@ def _view(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     shape = list(val(node).shape)
     if g.rows and list(g.shape) == shape:
         return g
-    return _dense(rw, node, rw.call(aten.view.default, rw.densify(g), [rw.B, *shape]))
+    return _dense(rw, node, rw.view(rw.densify(g), [rw.B, *shape]))
 
 
 @per_sample_rule(aten.t.default, aten.transpose.int, aten.permute.default, name="transpose")
@@ -306,7 +324,7 @@ def _transpose(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
         perm[i], perm[j] = perm[j], perm[i]
     else:
         perm = [d % rank for d in node.args[1]]
-    return _dense(rw, node, rw.call(aten.permute.default, x, [0] + [p + 1 for p in perm]))
+    return _dense(rw, node, rw.permute(x, [0] + [p + 1 for p in perm]))
 
 
 @per_sample_rule(aten.add.Tensor, name="add")
@@ -345,7 +363,7 @@ def _cast(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
 @per_sample_rule(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, name="view")
 def _squeeze(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     x = rw.densify(rw.rep(node.args[0]))
-    return _dense(rw, node, rw.call(aten.view.default, x, [rw.B, *val(node).shape]))
+    return _dense(rw, node, rw.view(x, [rw.B, *val(node).shape]))
 
 
 # ---------------------------------------------------------------------------------------

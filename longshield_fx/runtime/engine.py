@@ -61,6 +61,10 @@ class Engine:
                 "longshield_fx.CausalLMLoss or return loss.sum(dim=1)-style per-sample values")
         ctx = PassContext(captured, B, self.config)
         gm = run_passes(captured.gm, ctx, passes)
+        if captured.mutations:
+            raise UnsupportedModelError(
+                f"the forward mutates model state ({', '.join(captured.mutations)}); the compiled step "
+                "would drop those updates. Way out: keep buffers constant during the training step")
         return captured, gm, ctx
 
     def _check_shapes(self, batch):

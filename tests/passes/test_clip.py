@@ -1,0 +1,134 @@
+"""clip: flat clipping equals Opacus; contributions are bounded; padding contributes nothing."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import longshield_fx as lf
+from longshield_fx.models.llama import RMSNorm
+
+from oracles import MLP, mlp_batch, tiny_llama, token_batch, vmap_per_sample_grads
+
+
+def clipped_sum(model, batch, C, clipping="flat", mask=None):
+    engine = lf.compile(model, config=lf.DPConfig(C, 0.0, clipping=clipping, seed=0))
+    engine.accumulate(*batch, mask=mask)
+    engine.finalize(1.0)  # noise 0 and divide by 1: .grad is the clipped sum
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return out, engine
+
+
+def opacus_clipped_sum(model, batch, C):
+    opacus = pytest.importorskip("opacus")
+    from opacus.grad_sample import register_grad_sampler
+
+    @register_grad_sampler(RMSNorm)
+    def rmsnorm_grad_sample(layer, activations, backprops):
+        x = activations[0].float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + layer.eps)
+        return {layer.weight: torch.einsum("b...d,b...d->bd", backprops, normed.to(x.dtype))}
+
+    gsm = opacus.GradSampleModule(model, batch_first=True, loss_reduction="sum")
+    opt = opacus.optimizers.DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), noise_multiplier=0.0,
+                                        max_grad_norm=C, expected_batch_size=batch[0].shape[0],
+                                        loss_reduction="sum")
+    gsm(*batch).sum().backward()
+    opt.pre_step()
+    out = {n.removeprefix("_module."): p.grad.clone() for n, p in gsm.named_parameters()}
+    gsm._close()
+    return out
+
+
+@pytest.mark.parametrize("make", ["mlp", "llama"])
+def test_flat_clipping_equals_opacus(make):
+    model, batch, C = (MLP(), mlp_batch(), 0.5) if make == "mlp" else (tiny_llama(), token_batch(), 1.0)
+    ours, engine = clipped_sum(model, batch, C)
+    assert engine.last_norms.gt(C).any(), "the test must clip something"
+    theirs = opacus_clipped_sum(model, batch, C)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def per_sample_contributions(model, batch, C, clipping):
+    """Each sample's contribution, by running the engine on that sample alone (others masked)."""
+    B = batch[0].shape[0]
+    out = []
+    for i in range(B):
+        mask = torch.zeros(B)
+        mask[i] = 1
+        grads, _ = clipped_sum(model, batch, C, clipping, mask)
+        out.append(grads)
+    return out
+
+
+def flat_norm(grads):
+    return math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+
+
+@settings(max_examples=8, deadline=None)
+@given(B=st.integers(1, 4), T=st.integers(1, 4), hidden=st.integers(1, 6), C=st.floats(0.05, 5.0),
+       seed=st.integers(0, 1000), clipping=st.sampled_from(["flat", "per_layer", "automatic"]))
+def test_each_contribution_is_bounded(B, T, hidden, C, seed, clipping):
+    torch.manual_seed(seed)
+    model = MLP(hidden=hidden)
+    batch = mlp_batch(B=B, T=T, seed=seed)
+    contributions = per_sample_contributions(model, batch, C, clipping)
+    total, _ = clipped_sum(model, batch, C, clipping)
+    for name in total:  # contributions add up to the clipped sum
+        torch.testing.assert_close(sum(c[name] for c in contributions), total[name], atol=1e-5, rtol=1e-4)
+    for c in contributions:
+        assert flat_norm(c) <= C * (1 + 1e-5)
+        if clipping == "per_layer":  # each parameter is a group with threshold C / sqrt(K)
+            threshold = C / math.sqrt(len(c))
+            assert all(float(g.norm()) <= threshold * (1 + 1e-5) for g in c.values())
+    # Removing one sample (masking it out) changes the pre-noise sum by at most C.
+    mask = torch.ones(B)
+    mask[0] = 0
+    without, _ = clipped_sum(model, batch, C, clipping, mask)
+    assert flat_norm({n: total[n] - without[n] for n in total}) <= C * (1 + 1e-5)
+
+
+def test_unclipped_when_threshold_is_large():
+    model, batch = tiny_llama(), token_batch()
+    ours, _ = clipped_sum(model, batch, 1e6)
+    ref = vmap_per_sample_grads(model, batch)
+    for name in ours:
+        torch.testing.assert_close(ours[name], ref[name].sum(0), atol=1e-5, rtol=1e-4)
+
+
+def test_padding_rows_contribute_exactly_zero_even_with_garbage():
+    class Fragile(nn.Module):
+        """sqrt of a negative input gives nan for garbage rows."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(torch.sqrt(x)).pow(2).sum(1)
+
+    torch.manual_seed(0)
+    model = Fragile()
+    x = torch.rand(4, 3)
+    garbage = x.clone()
+    garbage[2:] = -1.0  # nan after sqrt
+    mask = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    clean, _ = clipped_sum(model, (x[:2],), 1.0)
+    padded, engine = clipped_sum(model, (garbage,), 1.0, mask=mask)
+    for name in clean:
+        assert torch.isfinite(padded[name]).all()
+        torch.testing.assert_close(padded[name], clean[name])
+    assert engine.last_norms[2:].eq(0).all()
+
+
+def test_embedding_norm_from_token_ids_matches_dense():
+    """Repeated tokens within a sample: the sparse-row norm must add rows before squaring."""
+    model = tiny_llama()
+    ids = torch.tensor([[5, 5, 5, 7, 5, 9, 7, 5], [1, 2, 3, 4, 5, 6, 7, 8]])
+    ours, engine = clipped_sum(model, (ids, ids), 1e6)
+    ref = vmap_per_sample_grads(model, (ids, ids))
+    dense_norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
+    torch.testing.assert_close(engine.last_norms, dense_norms, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,194 @@
+"""Per-sample gradients against torch.func, and the rewritten graph of a 1-layer MLP."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+
+import longshield_fx as lf
+from longshield_fx.capture import capture
+from longshield_fx.passes import PassContext, run_passes
+from longshield_fx.passes.batch_dims import batch_dims
+from longshield_fx.passes.per_sample import per_sample
+
+from oracles import (MLP, hf_gpt2, hf_llama, mlp_batch, tiny_llama, token_batch,
+                        vmap_per_sample_grads)
+
+
+def assert_matches_oracle(model, batch, atol=1e-5):
+    ours = lf.compile(model).per_sample_grads(*batch)
+    ref = vmap_per_sample_grads(model, batch)
+    assert set(ours) == set(ref)
+    B = batch[0].shape[0]
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert ours[name].shape == (B, *p.shape), name
+            torch.testing.assert_close(ours[name], ref[name], atol=atol, rtol=1e-4, msg=name)
+    return ours
+
+
+def test_mlp_with_biases():
+    assert_matches_oracle(MLP(), mlp_batch())
+
+
+def test_reference_llama_gqa():
+    model = tiny_llama()
+    assert model.lm.layers[0].attention.wk.weight.shape[0] < model.lm.layers[0].attention.wq.weight.shape[0]
+    assert_matches_oracle(model, token_batch())
+
+
+def test_reference_llama_tied_embeddings():
+    assert_matches_oracle(tiny_llama(tie_embeddings=True), token_batch())
+
+
+def test_hf_llama():
+    assert_matches_oracle(hf_llama(), token_batch(vocab=128))
+
+
+def test_hf_gpt2_layernorm_bias_positions_tied():
+    model = hf_gpt2()
+    names = {n for n, _ in model.named_parameters()}
+    assert "lm.transformer.wpe.weight" in names and "lm.lm_head.weight" not in names  # tied
+    assert_matches_oracle(model, token_batch(vocab=128))
+
+
+def test_frozen_parameters_get_no_per_sample_work():
+    model = tiny_llama()
+    model.lm.tok_embeddings.requires_grad_(False)
+    model.lm.layers[0].requires_grad_(False)
+    ours = assert_matches_oracle(model, token_batch())
+    assert not any(n.startswith("lm.layers.0.") for n in ours)
+    assert "lm.tok_embeddings.weight" not in ours
+
+
+def test_padding_idx_embedding_rows_get_nothing():
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4, padding_idx=0)
+
+        def forward(self, ids):
+            return self.emb(ids).pow(2).sum((1, 2))
+
+    ids = torch.tensor([[0, 1, 2, 0], [3, 3, 0, 9]])
+    ours = assert_matches_oracle(Emb(), (ids,))
+    assert ours["emb.weight"][:, 0].abs().sum() == 0
+
+
+def test_sum_over_batch_equals_original_gradient():
+    model = tiny_llama(tie_embeddings=True)
+    batch = token_batch(B=4)
+    ours = lf.compile(model).per_sample_grads(*batch)
+    model.zero_grad()
+    model(*batch).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(ours[name].sum(0), p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_batch_of_one():
+    assert_matches_oracle(tiny_llama(), token_batch(B=1))
+
+
+def test_embedding_gradient_is_sparse_rows_in_the_graph():
+    """No (B, V, H) tensor for the embedding: the per-sample form is token ids + rows."""
+    model = tiny_llama()
+    batch = token_batch()
+    captured = capture(model, batch)
+    ctx = PassContext(captured, 3)
+    run_passes(captured.gm, ctx, [batch_dims, per_sample])
+    emb = ctx.per_sample["lm.tok_embeddings.weight"]
+    assert emb.dense is None and len(emb.rows) == 1
+    ids, values = emb.rows[0]
+    assert tuple(ids.meta["val"].shape) == (3, 16) and tuple(values.meta["val"].shape) == (3, 16, 64)
+    assert ctx.rules_used["lm.tok_embeddings.weight"] == "embedding"
+    assert ctx.rules_used["lm.layers.0.attention.wq.weight"] == "linear"
+    assert ctx.rules_used["lm.layers.0.attention_norm.weight"] == "sum"
+
+
+class OneLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(x).pow(2).sum((1, 2))
+
+
+def test_golden_graph_one_layer_mlp():
+    torch.manual_seed(0)
+    model = OneLayer()
+    batch = (torch.randn(4, 5, 3),)
+    captured = capture(model, batch)
+    ctx = PassContext(captured, 4)
+    gm = run_passes(captured.gm, ctx, [batch_dims, per_sample])
+    code = "\n".join(line.split("#")[0].rstrip() for line in gm.code.strip().splitlines() if line.strip())
+    assert_expected_inline(code, """\
+def forward(self, primals_1, primals_2, primals_3, tangents_1):
+    view = torch.ops.aten.view.default(primals_3, [20, 3])
+    t = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    addmm = torch.ops.aten.addmm.default(primals_2, view, t);  primals_2 = view = t = None
+    view_1 = torch.ops.aten.view.default(addmm, [4, 5, 2]);  addmm = None
+    pow_1 = torch.ops.aten.pow.Tensor_Scalar(view_1, 2)
+    sum_1 = torch.ops.aten.sum.dim_IntList(pow_1, [1, 2]);  pow_1 = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(tangents_1, 1);  tangents_1 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(unsqueeze, 2);  unsqueeze = None
+    expand = torch.ops.aten.expand.default(unsqueeze_1, [4, 5, 2]);  unsqueeze_1 = None
+    pow_2 = torch.ops.aten.pow.Tensor_Scalar(view_1, 1.0);  view_1 = None
+    mul = torch.ops.aten.mul.Scalar(pow_2, 2.0);  pow_2 = None
+    mul_1 = torch.ops.aten.mul.Tensor(expand, mul);  expand = mul = None
+    einsum_default = torch.ops.aten.einsum.default('btm,btn->bmn', [mul_1, primals_3]);  primals_3 = None
+    sum_dim_int_list = torch.ops.aten.sum.dim_IntList(mul_1, [1]);  mul_1 = None
+    view_default_1 = torch.ops.aten.view.default(sum_dim_int_list, [4, 2]);  sum_dim_int_list = None
+    return (sum_1, einsum_default, view_default_1)""")
+    ours = lf.compile(model).per_sample_grads(*batch)
+    ref = vmap_per_sample_grads(model, batch)
+    torch.testing.assert_close(ours["fc.weight"], ref["fc.weight"])
+
+
+def test_unknown_gradient_pattern_names_parameter_op_and_way_out():
+    class Cumulative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            # The weight gradient goes through bmm with the weight expanded over the batch.
+            return torch.bmm(x, self.w.expand(x.shape[0], 4, 4)).pow(2).sum((1, 2))
+
+    engine = lf.compile(Cumulative())
+    with pytest.raises(lf.UnsupportedModelError) as e:
+        engine.per_sample_grads(torch.randn(3, 5, 4))
+    msg = str(e.value)
+    assert "'w'" in msg and "aten." in msg and "freeze" in msg and "per_sample_rule" in msg
+
+
+def test_registered_rule_is_used():
+    """A user rule for bmm against a batch-expanded weight makes the model supported."""
+    aten = torch.ops.aten
+
+    class BatchedWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return torch.bmm(x, self.w.expand(x.shape[0], 4, 4)).pow(2).sum((1, 2))
+
+    @lf.per_sample_rule(aten.sum.dim_IntList, name="expanded_weight_sum")
+    def rule(rw, node):
+        # grad of an expanded weight = sum over the expanded batch dim of bmm(x^T, g).
+        x = node.args[0]
+        if x.meta.get("batch_dim") is not None and node.args[1] == [0]:
+            from longshield_fx.passes.per_sample import PerSampleGrad
+            return PerSampleGrad(tuple(node.meta["val"].shape), x)
+        from longshield_fx.passes.per_sample import _sum
+        return _sum(rw, node)
+
+    from longshield_fx.passes import per_sample as ps_module
+    try:
+        model = BatchedWeight()
+        batch = (torch.randn(3, 5, 4),)
+        ours = lf.compile(model).per_sample_grads(*batch)
+        torch.testing.assert_close(ours["w"], vmap_per_sample_grads(model, batch)["w"])
+    finally:
+        ps_module.per_sample_rule(aten.sum.dim_IntList, aten.sum.default, name="sum")(ps_module._sum)
