@@ -438,6 +438,18 @@ def _layer_norm_backward(node, B):
     return (tag, None, None)  # weight and bias grads reduce over the batch
 
 
+@register_batch_rule(aten.convolution.default)
+def _convolution(node, B):
+    if batch_dim(node.args[1]) is not None or batch_dim(node.args[0]) != BatchDim(0, 1):
+        raise _Mixing("convolves with per-sample weights or over the batch dimension")
+    return batch_dim(node.args[0])
+
+
+@register_batch_rule(aten.convolution_backward.default)
+def _convolution_backward(node, B):
+    return (batch_dim(node.args[1]), None, None)  # weight and bias grads reduce over the batch
+
+
 @register_batch_rule(aten.index_select.default)
 def _index_select(node, B):
     tag = batch_dim(node.args[0])

@@ -136,8 +136,9 @@ class Rewriter:
             key = (node.args[0].target, node.args[1])
         rule = _RULES.get(key) or _RULES.get(node.target)
         if rule is None:
+            op = f"output {key[1]} of {key[0]}" if isinstance(key, tuple) else str(key)
             raise UnsupportedModelError(
-                f"parameter {self.param!r}: no per-sample rule for {node.target} (node {node.name}, "
+                f"parameter {self.param!r}: no per-sample rule for {op} (node {node.name}, "
                 f"from {module_of(node)}) on the path to its gradient. Way out: freeze the parameter "
                 "(requires_grad=False) or register a rule with @longshield_fx.per_sample_rule(op).")
         with self.graph.inserting_before(node):
@@ -364,6 +365,15 @@ def _cast(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
 def _squeeze(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     x = rw.densify(rw.rep(node.args[0]))
     return _dense(rw, node, rw.view(x, [rw.B, *val(node).shape]))
+
+
+@per_sample_rule(aten.expand.default, name="view")
+def _expand(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """A parameter broadcast in the forward (e.g. ``w.sum()`` used by every sample)."""
+    x = rw.densify(rw.rep(node.args[0]))
+    lead = [rw.B] + [1] * (val(node).dim() - val(node.args[0]).dim())
+    x = rw.view(x, lead + list(val(node.args[0]).shape))
+    return _dense(rw, node, rw.call(aten.expand.default, x, [rw.B, *val(node).shape]))
 
 
 # ---------------------------------------------------------------------------------------

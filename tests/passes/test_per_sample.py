@@ -145,50 +145,45 @@ def forward(self, primals_1, primals_2, primals_3, tangents_1):
     torch.testing.assert_close(ours["fc.weight"], ref["fc.weight"])
 
 
+class Conv(nn.Module):
+    def __init__(self, kernel_size):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, kernel_size, bias=False)
+
+    def forward(self, x):
+        return self.conv(x).pow(2).sum((1, 2))
+
+
 def test_unknown_gradient_pattern_names_parameter_op_and_way_out():
-    class Cumulative(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(4, 4))
-
-        def forward(self, x):
-            # The weight gradient goes through bmm with the weight expanded over the batch.
-            return torch.bmm(x, self.w.expand(x.shape[0], 4, 4)).pow(2).sum((1, 2))
-
-    engine = lf.compile(Cumulative())
+    # Conv1d keeps samples apart (batch_dims accepts it) but no per-sample rule knows
+    # convolution_backward's weight gradient.
     with pytest.raises(lf.UnsupportedModelError) as e:
-        engine.per_sample_grads(torch.randn(3, 5, 4))
+        lf.compile(Conv(3)).per_sample_grads(torch.randn(2, 3, 8))
     msg = str(e.value)
-    assert "'w'" in msg and "aten." in msg and "freeze" in msg and "per_sample_rule" in msg
+    assert "'conv.weight'" in msg and "convolution_backward" in msg
+    assert "freeze" in msg and "per_sample_rule" in msg
 
 
 def test_registered_rule_is_used():
-    """A user rule for bmm against a batch-expanded weight makes the model supported."""
-    aten = torch.ops.aten
-
-    class BatchedWeight(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(4, 4))
-
-        def forward(self, x):
-            return torch.bmm(x, self.w.expand(x.shape[0], 4, 4)).pow(2).sum((1, 2))
-
-    @lf.per_sample_rule(aten.sum.dim_IntList, name="expanded_weight_sum")
-    def rule(rw, node):
-        # grad of an expanded weight = sum over the expanded batch dim of bmm(x^T, g).
-        x = node.args[0]
-        if x.meta.get("batch_dim") is not None and node.args[1] == [0]:
-            from longshield_fx.passes.per_sample import PerSampleGrad
-            return PerSampleGrad(tuple(node.meta["val"].shape), x)
-        from longshield_fx.passes.per_sample import _sum
-        return _sum(rw, node)
-
+    """A user rule for a kernel-size-1 convolution (a linear map over channels)."""
     from longshield_fx.passes import per_sample as ps_module
+    from longshield_fx.passes.per_sample import PerSampleGrad
+
+    aten = torch.ops.aten
+    key = (aten.convolution_backward.default, 1)
+
+    @lf.per_sample_rule(key, name="conv1x1")
+    def conv1x1(rw, node):
+        grad_out, x = node.args[0].args[:2]  # (B, Cout, L), (B, Cin, L)
+        w = rw.call(aten.einsum.default, "bol,bil->boi", [grad_out, x])
+        return PerSampleGrad(tuple(node.meta["val"].shape), rw.call(aten.unsqueeze.default, w, 3))
+
     try:
-        model = BatchedWeight()
-        batch = (torch.randn(3, 5, 4),)
-        ours = lf.compile(model).per_sample_grads(*batch)
-        torch.testing.assert_close(ours["w"], vmap_per_sample_grads(model, batch)["w"])
+        model = Conv(1)
+        batch = (torch.randn(3, 3, 8),)
+        engine = lf.compile(model)
+        ours = engine.per_sample_grads(*batch)
+        torch.testing.assert_close(ours["conv.weight"], vmap_per_sample_grads(model, batch)["conv.weight"])
+        assert "conv1x1" in repr(engine)
     finally:
-        ps_module.per_sample_rule(aten.sum.dim_IntList, aten.sum.default, name="sum")(ps_module._sum)
+        del ps_module._RULES[key]

@@ -1,0 +1,243 @@
+"""Engine: noise once per logical batch, fixed shapes, accounting, checkpoints, bf16, bad input."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import longshield_fx as lf
+from longshield_fx.runtime.accounting import epsilon_for
+
+from oracles import MLP, mlp_batch, tiny_llama, token_batch
+
+
+class Constant(nn.Module):
+    """A model whose gradient is exactly zero: only noise reaches .grad."""
+
+    def __init__(self, n=4000):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return (self.w.sum() * 0.0) + x.sum(1) * 0.0
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_noise_std_is_sigma_c_over_expected_batch_size(micro_batches):
+    sigma, C, L = 1.3, 0.7, 8.0
+    model = Constant()
+    engine = lf.compile(model, config=lf.DPConfig(C, sigma, seed=0))
+    for _ in range(micro_batches):  # noise must not be added per micro-batch
+        engine.accumulate(torch.randn(4, 2))
+    engine.finalize(L)
+    g = model.w.grad
+    n = g.numel()
+    expected = sigma * C / L
+    # Sample std of n Gaussians has std ≈ expected / sqrt(2n); allow 5 of those.
+    assert abs(float(g.std()) - expected) <= 5 * expected / math.sqrt(2 * n)
+    assert abs(float(g.mean())) <= 5 * expected / math.sqrt(n)
+
+
+def test_fixed_shape_engine_never_recaptures_across_poisson_batches():
+    data = pytest.importorskip("longshield_fx.data")
+    torch.manual_seed(0)
+    N, T = 40, 8
+    tokens = torch.randint(0, 256, (N, T))
+    model = tiny_llama()
+    q = 0.1
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, sample_rate=q, seed=0))
+    batches = data.PoissonBatches(tokens, sample_rate=q, physical_batch_size=3, seed=0)
+    sizes = []
+    it = iter(batches)
+    for _ in range(50):
+        try:
+            logical = next(it)
+        except StopIteration:
+            it = iter(batches)
+            logical = next(it)
+        sizes.append(logical.size)
+        for (ids,), mask in logical.physical:
+            engine.accumulate(ids, ids, mask=mask)
+        engine.finalize(q * N)
+    assert engine.captures == 1
+    assert len(set(sizes)) > 2 and 0 in sizes or len(set(sizes)) > 2
+    assert engine.accountant.steps == 50
+
+
+def test_epsilon_agrees_with_dp_accounting():
+    model = MLP()
+    q, sigma = 0.05, 1.1
+    engine = lf.compile(model, config=lf.DPConfig(1.0, sigma, sample_rate=q, seed=0))
+    for _ in range(7):
+        engine.accumulate(*mlp_batch())
+        engine.finalize(4.0)
+    assert engine.epsilon(1e-5) == pytest.approx(epsilon_for(sigma, q, 7, 1e-5), rel=1e-9)
+
+
+def test_calibrate_noise_hits_target():
+    sigma = lf.calibrate_noise(target_epsilon=4.0, delta=1e-5, sample_rate=0.01, steps=500)
+    eps = epsilon_for(sigma, 0.01, 500, 1e-5)
+    assert 0.99 * 4.0 <= eps <= 4.0
+
+
+def run_steps(model, engine, opt, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        ids = torch.randint(0, 256, (2, 12), generator=g)
+        engine.accumulate(ids, ids)
+        engine.finalize(2.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+    cfg = lf.DPConfig(1.0, 0.8, sample_rate=0.01, seed=3)
+
+    def fresh():
+        model = tiny_llama(seed=1)
+        return model, lf.compile(model, config=cfg), torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model_a, engine_a, opt_a = fresh()
+    run_steps(model_a, engine_a, opt_a, 6)
+
+    model_b, engine_b, opt_b = fresh()
+    g = torch.Generator().manual_seed(0)
+    # First 3 steps, save, then resume in a new model/engine/optimizer.
+    for _ in range(3):
+        ids = torch.randint(0, 256, (2, 12), generator=g)
+        engine_b.accumulate(ids, ids)
+        engine_b.finalize(2.0)
+        opt_b.step()
+        opt_b.zero_grad()
+    torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict(), "engine": engine_b.state_dict(),
+                "data_rng": g.get_state()}, tmp_path / "ckpt.pt")
+    model_c, engine_c, opt_c = fresh()
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    model_c.load_state_dict(state["model"])
+    opt_c.load_state_dict(state["opt"])
+    engine_c.load_state_dict(state["engine"])
+    g.set_state(state["data_rng"])
+    for _ in range(3):
+        ids = torch.randint(0, 256, (2, 12), generator=g)
+        engine_c.accumulate(ids, ids)
+        engine_c.finalize(2.0)
+        opt_c.step()
+        opt_c.zero_grad()
+    for (name, a), (_, c) in zip(model_a.named_parameters(), model_c.named_parameters()):
+        assert torch.equal(a, c), name
+    assert engine_c.epsilon(1e-5) == engine_a.epsilon(1e-5)
+
+
+def test_checkpoint_from_other_config_is_refused():
+    engine = lf.compile(MLP(), config=lf.DPConfig(1.0, 0.5, seed=0))
+    other = lf.compile(MLP(), config=lf.DPConfig(2.0, 0.5, seed=0))
+    with pytest.raises(ValueError, match="DP config"):
+        other.load_state_dict(engine.state_dict())
+
+
+def test_bf16_tracks_fp32_loss():
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_llama(seed=0)
+        engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0, compute_dtype=dtype, seed=0))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 256, (4, 32), generator=g)
+        out = []
+        for _ in range(20):
+            loss = engine.accumulate(ids, ids)
+            assert torch.isfinite(loss)
+            engine.finalize(4.0)
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+            assert all(p.dtype == torch.float32 for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+            out.append(float(loss))
+        losses[dtype] = out
+    assert losses[torch.float32][-1] < losses[torch.float32][0]  # it trains
+    for a, b in zip(losses[torch.float32], losses[torch.bfloat16]):
+        assert abs(a - b) <= 0.02 * abs(a)
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    model = MLP()
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, seed=0))
+    x, y = mlp_batch(B=4)
+    with pytest.raises(RuntimeError, match="nothing accumulated"):
+        engine.finalize(4.0)
+    with pytest.raises(ValueError, match=r"mask must have shape \(4,\)"):
+        engine.accumulate(x, y, mask=torch.ones(3))
+    with pytest.raises(ValueError, match="only 0"):
+        engine.accumulate(x, y, mask=torch.full((4,), 0.5))
+    engine.accumulate(x, y)
+    before = {n: t.clone() for n, t in engine._accum.items()}
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="expected_batch_size must be > 0"):
+            engine.finalize(bad)
+    assert all(torch.equal(before[n], engine._accum[n]) for n in before)  # still there
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="shapes changed"):
+        engine.accumulate(*mlp_batch(B=5))
+    for kwargs, match in (({"max_grad_norm": 0.0, "noise_multiplier": 1.0}, "max_grad_norm"),
+                          ({"max_grad_norm": 1.0, "noise_multiplier": -0.1}, "noise_multiplier"),
+                          ({"max_grad_norm": 1.0, "noise_multiplier": 1.0, "clipping": "nope"}, "clipping"),
+                          ({"max_grad_norm": 1.0, "noise_multiplier": 1.0, "secure_rng": True, "seed": 1},
+                           "secure_rng")):
+        with pytest.raises(ValueError, match=match):
+            lf.DPConfig(**kwargs)
+
+
+def test_secure_rng_draws_different_noise():
+    grads = []
+    for _ in range(2):
+        model = Constant(100)
+        engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, secure_rng=True))
+        engine.accumulate(torch.randn(2, 2))
+        engine.finalize(1.0)
+        grads.append(model.w.grad.clone())
+    assert not torch.equal(*grads)
+
+
+def _hook_state(model):
+    import torch.nn.modules.module as M
+    state = []
+    for m in model.modules():
+        state += [len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+                  len(m._backward_pre_hooks), len(getattr(m, "_state_dict_hooks", {}))]
+    for p in model.parameters():
+        state.append(p._backward_hooks is None or len(p._backward_hooks) == 0)
+        state.append(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}))
+    state += [len(M._global_forward_hooks), len(M._global_forward_pre_hooks), len(M._global_backward_hooks),
+              len(M._global_backward_pre_hooks), len(M._global_module_registration_hooks)]
+    return state
+
+
+def test_no_hooks_during_compile_and_run(monkeypatch):
+    """No hook is registered on the model, its modules, its tensors, or globally."""
+    calls = []
+    for cls, names in ((nn.Module, ["register_forward_hook", "register_forward_pre_hook",
+                                    "register_full_backward_hook", "register_backward_hook",
+                                    "register_full_backward_pre_hook"]),
+                       (torch.Tensor, ["register_hook", "register_post_accumulate_grad_hook"])):
+        for name in names:
+            original = getattr(cls, name)
+
+            def spy(self, *a, _original=original, _name=name, **k):
+                calls.append(_name)
+                return _original(self, *a, **k)
+
+            monkeypatch.setattr(cls, name, spy)
+    import torch.nn.modules.module as M
+    for name in ["register_module_forward_hook", "register_module_forward_pre_hook",
+                 "register_module_full_backward_hook", "register_module_backward_hook"]:
+        monkeypatch.setattr(M, name, lambda *a, _n=name, **k: calls.append(_n))
+    model = tiny_llama()
+    before = _hook_state(model)
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, seed=0))
+    ids, labels = token_batch()
+    engine.accumulate(ids, labels)
+    engine.finalize(3.0)
+    engine.per_sample_grads(ids, labels)
+    assert calls == []
+    assert _hook_state(model) == before
+    assert all(v in (0, True) for v in before)
