@@ -13,17 +13,18 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
     ``model.forward(*batch)`` must return per-sample losses of shape (B,); the objective is
     their sum (``longshield_fx.CausalLMLoss`` wraps a causal LM this way). Capture happens
     at the first call of the engine.
+
+    ``mesh``: a ``torch.distributed.DeviceMesh`` with a ``"cp"`` dimension (and optionally
+    ``"dp"``) for context-parallel training under torchrun; the model must then be a
+    ``CausalLMLoss``. Every rank passes the same full batch; the engine keeps its shard.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be an nn.Module, got {type(model).__name__}")
     if config is not None and not isinstance(config, DPConfig):
         raise TypeError(f"compile: config must be a longshield_fx.DPConfig, got {type(config).__name__}")
-    if mesh is not None:
-        raise NotImplementedError(
-            "compile: context/data parallelism over a DeviceMesh is not implemented yet; pass mesh=None")
     if checkpoint is not None:
         raise NotImplementedError(
             "compile: activation checkpointing is not implemented yet; pass checkpoint=None")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("compile: the model has no trainable parameters (all requires_grad=False)")
-    return Engine(model, config)
+    return Engine(model, config, mesh)

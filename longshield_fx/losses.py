@@ -62,3 +62,33 @@ class CausalLMLoss(nn.Module):
         token_loss = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:],
                                      reduction="none", ignore_index=-100)
         return token_loss.sum(dim=1)
+
+
+class ShardedCausalLMLoss(nn.Module):
+    """The per-shard form of ``CausalLMLoss`` used under context parallelism.
+
+    ``forward(input_ids, shifted_labels, position_ids)`` takes one cp rank's tokens with
+    labels ALREADY shifted over the full sequence (the next token may live on another
+    rank) and the tokens' global positions; it returns the per-sample sum of this shard's
+    token losses. Summing over cp ranks gives ``CausalLMLoss``'s value. It shares ``lm``
+    with the wrapped loss, so parameter names and tensors are the same.
+    """
+
+    def __init__(self, loss: CausalLMLoss):
+        super().__init__()
+        self.lm = loss.lm
+        self.is_hf = loss.is_hf
+
+    def forward(self, input_ids, shifted_labels, position_ids):
+        kwargs = {"position_ids": position_ids}
+        if self.is_hf:
+            kwargs.update(use_cache=False, attention_mask=torch.ones_like(input_ids))
+        out = self.lm(input_ids, **kwargs)
+        logits = (out if isinstance(out, torch.Tensor) else out.logits).float()
+        token_loss = F.cross_entropy(logits.transpose(1, 2), shifted_labels, reduction="none", ignore_index=-100)
+        return token_loss.sum(dim=1)
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """labels[:, 1:] with -100 appended: position t predicts token t+1, the last nothing."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)

@@ -25,6 +25,12 @@ class PassContext:
     per_sample: dict = field(default_factory=dict)
     # name -> rule name, for inspection ("linear", "sum", "embedding", ...).
     rules_used: dict = field(default_factory=dict)
+    # Context parallelism: group size, group name and rank (cp_size 1: one process).
+    cp_size: int = 1
+    cp_group_name: str | None = None
+    cp_rank: int = 0
+    # name -> parameter dim its per-sample gradient is sharded along over cp (None: replicated).
+    shard_dims: dict = field(default_factory=dict)
     log: list = field(default_factory=list)
 
 

@@ -50,9 +50,12 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     with graph.inserting_before(output):
         keep = b(aten.gt.Scalar, mask, 0)
         sq = {name: _sq_norm(rw, b, ctx.per_sample[name], keep) for name in names}
-        total = sq[names[0]]
-        for name in names[1:]:
-            total = b(aten.add.Tensor, total, sq[name])
+        if ctx.cp_size > 1:
+            sq = _all_reduce_shard_norms(b, ctx, sq, per_parameter=cfg.clipping == "per_layer")
+        parts = list(sq.values())
+        total = parts[0]
+        for part in parts[1:]:
+            total = b(aten.add.Tensor, total, part)
         norm = b(aten.sqrt.default, total)
         if cfg.clipping == "flat":
             factor = _min1(b, _ratio(b, cfg.max_grad_norm, b(aten.add.Scalar, norm, _EPS)))
@@ -73,6 +76,30 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _all_reduce_shard_norms(b, ctx: PassContext, sq: dict, per_parameter: bool) -> dict:
+    """Sum squared norms of cp-sharded per-sample gradients over the cp group.
+
+    Replicated (all-reduced) gradients already hold the full value on every rank and are
+    left out. Flat clipping all-reduces B floats; per-layer clipping K x B.
+    """
+    c10d = torch.ops._c10d_functional
+    sharded = [n for n in sq if ctx.shard_dims.get(n) is not None]
+    if not sharded:
+        return sq
+    sq = dict(sq)
+    if per_parameter:
+        stacked = b(aten.stack.default, [sq[n] for n in sharded])
+        stacked = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, stacked, "sum", ctx.cp_group_name))
+        for i, n in enumerate(sharded):
+            sq[n] = b(aten.select.int, stacked, 0, i)
+        return sq
+    partial = sq.pop(sharded[0])
+    for n in sharded[1:]:
+        partial = b(aten.add.Tensor, partial, sq.pop(n))
+    sq["<sharded>"] = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, partial, "sum", ctx.cp_group_name))
+    return sq
 
 
 def _ratio(b, c: float, x: fx.Node) -> fx.Node:

@@ -20,6 +20,7 @@ from ..passes.batch_dims import batch_dims
 from ..passes.clip import clip
 from ..passes.per_sample import per_sample
 from .accounting import PrivacyAccountant
+from .parallel import Parallel
 
 
 class Engine:
@@ -29,9 +30,10 @@ class Engine:
     batch must have the same shapes (pad with a mask: ``longshield_fx.data.PoissonBatches``).
     """
 
-    def __init__(self, model: nn.Module, config: DPConfig | None):
+    def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None):
         self.model = model
         self.config = config
+        self.parallel = Parallel.from_mesh(model, mesh)
         self.accountant = PrivacyAccountant()
         self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
         self._train = None  # (CapturedGraph, GraphModule, PassContext)
@@ -41,15 +43,17 @@ class Engine:
         self._noise = torch.Generator()
         if config is not None:
             seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            self._noise.manual_seed(seed)
+            # Every rank draws the same noise, added once to the same full gradient.
+            self._noise.manual_seed(self.parallel.broadcast_seed(seed))
 
     # --- compilation ----------------------------------------------------------------------
     def _compile(self, batch, passes):
         self._check_shapes(batch)
         dtype = self.config.compute_dtype if self.config is not None else None
-        model = self.model
+        model = self.parallel.capture_module(self.model)
         if dtype is not None and dtype != next(model.parameters()).dtype:
             model = copy.deepcopy(model).to(dtype)  # capture only; the live model keeps its dtype
+        batch = self.parallel.shard(batch)
         captured = capture(model, batch)
         self.captures += 1
         B = batch[0].shape[0]
@@ -59,8 +63,9 @@ class Engine:
                 f"the model must return per-sample losses of shape ({B},), got "
                 f"{None if loss_val is None else tuple(loss_val.shape)}; wrap a language model in "
                 "longshield_fx.CausalLMLoss or return loss.sum(dim=1)-style per-sample values")
-        ctx = PassContext(captured, B, self.config)
-        gm = run_passes(captured.gm, ctx, passes)
+        ctx = PassContext(captured, B, self.config, cp_size=self.parallel.cp,
+                          cp_group_name=self.parallel.cp_group_name, cp_rank=self.parallel.cp_rank)
+        gm = run_passes(captured.gm, ctx, self.parallel.passes(passes))
         if captured.mutations:
             raise UnsupportedModelError(
                 f"the forward mutates model state ({', '.join(captured.mutations)}); the compiled step "
@@ -74,6 +79,7 @@ class Engine:
         B = batch[0].shape[0] if batch[0].dim() else None
         if B is None or any(t.dim() == 0 or t.shape[0] != B for t in batch):
             raise ValueError(f"engine: every batch tensor needs the batch as dimension 0, got shapes {[s for s, _ in shapes]}")
+        self.parallel.check_batch(batch)
         if self._shapes is None:
             self._shapes = shapes
         elif shapes != self._shapes:
@@ -116,9 +122,10 @@ class Engine:
         captured, gm, _ = self._training_graph(batch)
         loss_val = val(captured.cotangent_placeholder())
         cotangent = mask.to(dtype=loss_val.dtype)
-        args = captured.gather_args(self.model, batch, cotangent, dtype=self._dtype())
-        with torch.no_grad():
+        args = captured.gather_args(self.model, self.parallel.shard(batch), cotangent, dtype=self._dtype())
+        with torch.no_grad(), self.parallel.collective_errors():
             loss_sum, norms, *sums = gm(*args)
+            loss_sum = self.parallel.sum_over_cp(loss_sum)
         if self._accum is None:
             self._accum = {n: s.clone() for n, s in zip(captured.param_names, sums)}
         else:
@@ -141,7 +148,11 @@ class Engine:
                                "batch is one fully masked physical batch)")
         sigma_c = self.config.noise_multiplier * self.config.max_grad_norm
         params = dict(self.model.named_parameters())
-        for name, total in self._accum.items():
+        _, _, ctx = self._train
+        with self.parallel.collective_errors():
+            full = {name: self.parallel.full_clipped_sum(total, ctx.shard_dims.get(name))
+                    for name, total in self._accum.items()}
+        for name, total in full.items():
             if sigma_c > 0:
                 noise = torch.randn(total.shape, generator=self._noise, dtype=torch.float32)
                 total = total + sigma_c * noise
@@ -166,8 +177,11 @@ class Engine:
         captured, gm, _ = self._inspect
         B = batch[0].shape[0]
         cotangent = torch.ones(B, dtype=val(captured.cotangent_placeholder()).dtype)
-        with torch.no_grad():
-            _, *grads = gm(*captured.gather_args(self.model, batch, cotangent, dtype=self._dtype()))
+        args = captured.gather_args(self.model, self.parallel.shard(batch), cotangent, dtype=self._dtype())
+        with torch.no_grad(), self.parallel.collective_errors():
+            _, *grads = gm(*args)
+            # Each cp rank holds the partial gradient of its tokens; the full one is their sum.
+            grads = [self.parallel.sum_over_cp(g) for g in grads]
         return dict(zip(captured.param_names, grads))
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -185,8 +199,20 @@ class Engine:
         self.accountant.load_state_dict(state["accountant"])
         self._noise.set_state(state["noise_rng"])
 
+    def communication_bytes(self) -> dict[str, int]:
+        """Bytes each kind of collective in the training graph moves per physical batch.
+
+        From the graph's fake-tensor metadata: a reduce-scatter or all-reduce counts its
+        input's bytes; ring attention counts the K/V blocks it forwards ((cp-1) hops of
+        K and V forward, K, V, dK and dV backward). The per-sample gradient collectives do
+        not depend on T; ring attention's do.
+        """
+        if self._train is None:
+            raise RuntimeError("engine.communication_bytes: run accumulate once first (capture is lazy)")
+        return self.parallel.communication_bytes(self._train[1])
+
     def __repr__(self) -> str:
-        lines = [f"Engine(config={self.config!r}, captures={self.captures})"]
+        lines = [f"Engine(config={self.config!r}, captures={self.captures}, {self.parallel})"]
         for title, compiled in (("training graph", self._train), ("per-sample graph", self._inspect)):
             if compiled is None:
                 continue

@@ -1,0 +1,238 @@
+"""Poisson-sampled logical batches cut into fixed-shape, masked physical batches.
+
+Privacy accounting (``runtime/accounting.py``) assumes true Poisson sampling:
+at every step each example joins the logical batch independently with
+probability ``q``. Shuffling or fixed-size batches would make the reported
+epsilon wrong (see ``shared/papers/dp-sgd-without-shortcuts.md`` §2.3), so
+this module draws one Bernoulli per example per step and nothing else.
+
+Logical batch sizes then vary from step to step, but the captured training
+graph has a fixed batch dimension. Following masked DP-SGD (same paper, §3.1)
+each logical batch is cut into physical batches of exactly
+``physical_batch_size`` rows; the last one is padded, and a float mask marks
+real rows with 1 and pads with 0 so that pads contribute nothing to per-sample
+norms or clipped sums. The graph is never recaptured.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+__all__ = ["LogicalBatch", "PoissonBatches"]
+
+
+@dataclass
+class LogicalBatch:
+    """One Poisson-sampled logical batch.
+
+    ``size`` is the number of real examples (may be 0). ``indices`` are their
+    dataset indices in increasing order. ``physical`` is a non-empty list of
+    ``(tensors, mask)`` pairs: ``tensors`` is a tuple with one tensor per
+    dataset field (a 1-tuple for a plain-tensor dataset), each with leading
+    dimension ``physical_batch_size``; ``mask`` is a float32 tensor of shape
+    ``(physical_batch_size,)``. ``sum(mask.sum() for _, mask in physical) == size``.
+    """
+
+    size: int
+    indices: torch.Tensor
+    physical: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+
+
+class PoissonBatches:
+    """Iterable of Poisson-sampled :class:`LogicalBatch` es with fixed physical shapes.
+
+    Args:
+        dataset: a tensor whose first dimension indexes examples (e.g. token
+            ids ``(N, T)``), a ``TensorDataset``, or any indexable sequence of
+            tuples of fixed-shape tensors.
+        sample_rate: q in (0, 1]; every example is included in every logical
+            batch independently with this probability.
+        physical_batch_size: rows per physical batch, >= 1.
+        seed: seeds the sampling generator, so runs are reproducible. ``None``
+            seeds from OS entropy (``Generator.seed()``).
+        generator: use this ``torch.Generator`` (e.g. on another device)
+            instead of a fresh CPU one; it is re-seeded with ``seed`` unless
+            ``seed`` is None, in which case its current state is used.
+        steps: logical batches per epoch (``len(self)``); default
+            ``round(1 / q)``, so that an epoch sees each example once in
+            expectation. "Epoch" is only a loop boundary: steps are i.i.d.
+
+    Padding: pad rows are copies of dataset row 0 (always a valid input, e.g.
+    in-range token ids, so the padded forward pass cannot produce NaN/inf or
+    index errors), and they carry mask 0.
+
+    Empty logical batches (possible whenever ``q < 1``) yield ONE physical
+    batch of pads with an all-zero mask rather than none. The step still runs
+    the same compiled graph, its clipped sum is exactly zero, and the noise is
+    added as on any other step — which is what the accountant assumes. Skipping
+    the step instead would leak whether the batch was empty.
+
+    Iteration resumes where it left off: ``iter()`` yields the remaining steps
+    of the current epoch (all ``len(self)`` at an epoch boundary). Together
+    with :meth:`state_dict` / :meth:`load_state_dict` this makes a resumed run
+    draw exactly the batches an uninterrupted run would have drawn.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        sample_rate: float,
+        physical_batch_size: int,
+        seed: Optional[int],
+        *,
+        generator: Optional[torch.Generator] = None,
+        steps: Optional[int] = None,
+    ) -> None:
+        if not (isinstance(sample_rate, numbers.Real) and 0.0 < sample_rate <= 1.0):
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        if not _is_int(physical_batch_size) or physical_batch_size < 1:
+            raise ValueError(
+                f"physical_batch_size must be an integer >= 1, got {physical_batch_size!r}"
+            )
+        if steps is not None and (not _is_int(steps) or steps < 1):
+            raise ValueError(f"steps must be an integer >= 1 or None, got {steps!r}")
+        if seed is not None and not _is_int(seed):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+        self._fields, self._single = _as_fields(dataset)
+        self._dataset = dataset
+        self._n = _length(dataset, self._fields)
+        if self._n == 0:
+            raise ValueError("dataset is empty: Poisson sampling needs at least one example")
+
+        self.sample_rate = float(sample_rate)
+        self.physical_batch_size = int(physical_batch_size)
+        self._steps = int(steps) if steps is not None else max(1, round(1.0 / self.sample_rate))
+
+        self._generator = generator if generator is not None else torch.Generator()
+        if seed is not None:
+            self._generator.manual_seed(int(seed))
+        elif generator is None:
+            self._generator.seed()
+        self._step = 0
+
+    # -- sizes -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Logical batches (optimizer steps) per epoch."""
+        return self._steps
+
+    @property
+    def num_examples(self) -> int:
+        return self._n
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q * N: the divisor for the noisy gradient sum (DESIGN.md, DP semantics)."""
+        return self.sample_rate * self._n
+
+    @property
+    def step(self) -> int:
+        """Logical batches drawn so far, over all epochs."""
+        return self._step
+
+    # -- iteration -------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[LogicalBatch]:
+        remaining = self._steps - self._step % self._steps
+        for _ in range(remaining):
+            yield self._next_batch()
+
+    def _next_batch(self) -> LogicalBatch:
+        g = self._generator
+        include = torch.rand(self._n, generator=g, device=g.device) < self.sample_rate
+        indices = include.nonzero().squeeze(1).cpu()
+        self._step += 1
+
+        size = int(indices.numel())
+        p = self.physical_batch_size
+        num_physical = max(1, math.ceil(size / p))
+        padded = torch.zeros(num_physical * p, dtype=torch.long)
+        padded[:size] = indices
+        mask = (torch.arange(num_physical * p) < size).to(torch.float32)
+
+        physical = []
+        for k in range(num_physical):
+            rows = padded[k * p : (k + 1) * p]
+            physical.append((self._gather(rows), mask[k * p : (k + 1) * p].clone()))
+        return LogicalBatch(size=size, indices=indices, physical=physical)
+
+    def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._fields is not None:
+            return tuple(t[rows.to(t.device)] for t in self._fields)
+        items = [self._dataset[i] for i in rows.tolist()]
+        if self._single:
+            return (torch.stack(items),)
+        return tuple(torch.stack(column) for column in zip(*items))
+
+    # -- checkpointing ---------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Step counter and generator state (plus q and N, checked on load)."""
+        return {
+            "step": self._step,
+            "generator_state": self._generator.get_state(),
+            "sample_rate": self.sample_rate,
+            "num_examples": self._n,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where the saved sampler stopped.
+
+        Refuses a state saved with a different q or dataset size: it would
+        silently change the sampling distribution the accountant assumes.
+        """
+        for key in ("step", "generator_state"):
+            if key not in state:
+                raise ValueError(f"state is missing {key!r}; expected a PoissonBatches.state_dict()")
+        if state.get("sample_rate", self.sample_rate) != self.sample_rate:
+            raise ValueError(
+                f"state was saved with sample_rate={state['sample_rate']}, "
+                f"this sampler has {self.sample_rate}"
+            )
+        if state.get("num_examples", self._n) != self._n:
+            raise ValueError(
+                f"state was saved for a dataset of {state['num_examples']} examples, "
+                f"this one has {self._n}"
+            )
+        self._generator.set_state(state["generator_state"])
+        self._step = int(state["step"])
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _as_fields(dataset: Any) -> tuple[Optional[tuple[torch.Tensor, ...]], bool]:
+    """Tensors to fancy-index directly (fast path), or None for a generic sequence.
+
+    The bool says whether a generic dataset's items are single tensors.
+    """
+    if isinstance(dataset, torch.Tensor):
+        if dataset.dim() == 0:
+            raise ValueError("dataset tensor must have a leading example dimension")
+        return (dataset,), True
+    tensors = getattr(dataset, "tensors", None)  # torch.utils.data.TensorDataset
+    if isinstance(tensors, tuple) and tensors and all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors, False
+    if len(dataset) == 0:
+        return None, False
+    first = dataset[0]
+    if isinstance(first, torch.Tensor):
+        return None, True
+    if isinstance(first, Sequence) and first and all(isinstance(t, torch.Tensor) for t in first):
+        return None, False
+    raise ValueError(
+        f"dataset items must be tensors or tuples of tensors, got {type(first).__name__}"
+    )
+
+
+def _length(dataset: Any, fields: Optional[tuple[torch.Tensor, ...]]) -> int:
+    if fields is not None:
+        return int(fields[0].shape[0])
+    return len(dataset)

@@ -1,0 +1,163 @@
+"""The ``context_parallel`` pass: attention -> ring attention over the cp group.
+
+Rewrites: every causal ``aten._scaled_dot_product_flash_attention_for_cpu`` node and its
+``_backward`` into ``longshield::ring_attention`` / ``ring_attention_backward``
+(``runtime/ring_attention.py``), which pass K/V blocks around the cp ring and merge block
+outputs with their log-sum-exp. For GQA the rewrite looks through the K/V head repeat
+(``view(clone(expand(unsqueeze(k, 2))))``) so K/V travel with Hkv heads, and replaces
+the gradient's group-sum ``sum(view(dk_rep, [B, Hkv, g, T, D]), [2], keepdim=True)`` by the
+ring backward's dk directly.
+
+Assumes: the graph was captured on one rank's zig-zag shard of the sequence (the engine
+feeds the tokens' global positions, so RoPE is unchanged); attention is causal, either
+``is_causal=True`` or a mask that depends on no sample data (Hugging Face builds its
+causal mask from an all-ones attention mask, which ``ShardedCausalLMLoss`` passes). Other
+attention (dropout, sample-dependent masks) stops with ``UnsupportedModelError``.
+
+Guarantees: the rewritten graph computes exactly full causal attention over the global
+sequence on each rank's shard; the new nodes carry ``meta["val"]`` and batch tags.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedModelError
+from ..runtime import ring_attention as _ring  # noqa: F401  (registers the ops)
+from . import PassContext
+from ._graph import GraphBuilder, module_of, val
+from .batch_dims import BatchDim, batch_dim, register_batch_rule
+
+aten = torch.ops.aten
+ring_fwd = torch.ops.longshield.ring_attention.default
+ring_bwd = torch.ops.longshield.ring_attention_backward.default
+FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@register_batch_rule(ring_fwd)
+def _ring_tag(node, B):
+    return (batch_dim(node.args[0]),) * 2
+
+
+@register_batch_rule(ring_bwd)
+def _ring_bwd_tag(node, B):
+    return (batch_dim(node.args[1]),) * 3
+
+
+def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Rewrite causal attention into ring attention (see the module docstring)."""
+    graph = gm.graph
+    b = GraphBuilder(graph, ctx.captured.fake_mode)
+    derived = _sample_dependent(graph)
+    backward_of = {}
+    for node in graph.find_nodes(op="call_function", target=FLASH_BWD):
+        backward_of[tuple(node.args[1:4])] = node
+    for fwd in list(graph.find_nodes(op="call_function", target=FLASH)):
+        q, k_rep, v_rep = fwd.args[:3]
+        dropout = fwd.args[3] if len(fwd.args) > 3 else fwd.kwargs.get("dropout_p", 0.0)
+        is_causal = fwd.args[4] if len(fwd.args) > 4 else fwd.kwargs.get("is_causal", False)
+        mask = fwd.kwargs.get("attn_mask")
+        where = f"{fwd.name} in {module_of(fwd)}"
+        if dropout:
+            raise UnsupportedModelError(f"context_parallel: attention dropout at {where} is not supported; set it to 0")
+        if not is_causal and (mask is None or mask in derived):
+            raise UnsupportedModelError(
+                f"context_parallel: attention at {where} is not causal (or its mask depends on the samples); "
+                "ring attention here supports causal language-model attention only")
+        scale = fwd.kwargs.get("scale") or val(q).shape[-1] ** -0.5
+        k, k_group_sum = _unrepeat(k_rep)
+        v, v_group_sum = _unrepeat(v_rep)
+        bwd = backward_of.get((q, k_rep, v_rep))
+        with graph.inserting_before(fwd):
+            ring = b(ring_fwd, q, k, v, scale, ctx.cp_group_name, ctx.cp_size)
+            out, lse = b(operator.getitem, ring, 0), b(operator.getitem, ring, 1)
+        for node in (ring, out, lse):
+            node.meta["batch_dim"] = (batch_dim(q),) * 2 if node is ring else batch_dim(q)
+            node.meta["partitioner_tag"] = "is_forward"
+            node.meta["nn_module_stack"] = fwd.meta.get("nn_module_stack")
+        _replace_getitems(fwd, {0: out, 1: lse})
+        if bwd is None:
+            continue
+        grad_out = bwd.args[0]
+        with graph.inserting_before(bwd):
+            grads = b(ring_bwd, grad_out, q, k, v, out, lse, scale, ctx.cp_group_name, ctx.cp_size)
+            dq, dk, dv = (b(operator.getitem, grads, i) for i in range(3))
+            for node in (dq, dk, dv):
+                node.meta["batch_dim"] = batch_dim(q)
+            grads.meta["batch_dim"] = (batch_dim(q),) * 3
+        replacements = {0: dq}
+        for i, (grad, group_sum) in ((1, (dk, k_group_sum)), (2, (dv, v_group_sum))):
+            if group_sum is None:
+                replacements[i] = grad
+                continue
+            getitem = next(u for u in bwd.users if u.args[1] == i)
+            sum_node = _group_sum_of(getitem)
+            with graph.inserting_before(sum_node):
+                kept = b(aten.unsqueeze.default, grad, 2)
+            kept.meta["batch_dim"] = batch_dim(sum_node)
+            sum_node.replace_all_uses_with(kept)
+        _replace_getitems(bwd, replacements)
+    graph.eliminate_dead_code()
+    for node in graph.nodes:
+        if node.target in (FLASH, FLASH_BWD):
+            raise UnsupportedModelError(f"context_parallel: attention node {node.name} could not be rewritten")
+    gm.recompile()
+    return gm
+
+
+def _unrepeat(x: fx.Node):
+    """(k, True) if x = view(clone(expand(unsqueeze(k, 2)))) repeats heads, else (x, None)."""
+    node = x
+    if node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        inner = node.args[0]
+        if inner.target == aten.clone.default:
+            inner = inner.args[0]
+        if inner.target == aten.expand.default and inner.args[0].target == aten.unsqueeze.default \
+                and inner.args[0].args[1] == 2:
+            return inner.args[0].args[0], True
+    return x, None
+
+
+def _group_sum_of(grad_rep: fx.Node) -> fx.Node:
+    """The node summing a repeated-head gradient back over its group: sum(view(g), [2], True)."""
+    users = list(grad_rep.users)
+    if len(users) == 1 and users[0].target in (aten.view.default, aten._unsafe_view.default):
+        sums = list(users[0].users)
+        if len(sums) == 1 and sums[0].target == aten.sum.dim_IntList and list(sums[0].args[1]) == [2]:
+            return sums[0]
+    raise UnsupportedModelError(
+        f"context_parallel: the gradient of repeated K/V heads ({grad_rep.name}) is not summed back over "
+        "its head group in the usual way; cannot un-repeat GQA heads")
+
+
+def _replace_getitems(node: fx.Node, replacements: dict) -> None:
+    """Redirect ``node[i]`` users to ``replacements[i]`` and erase ``node``.
+
+    Erased by hand: fx's dead-code elimination keeps attention ops (they take a dropout
+    probability, so fx treats them as random and impure).
+    """
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] in replacements:
+            user.replace_all_uses_with(replacements[user.args[1]])
+        if user.target is operator.getitem and not user.users:
+            node.graph.erase_node(user)
+    if not node.users:
+        node.graph.erase_node(node)
+
+
+def _sample_dependent(graph: fx.Graph) -> set:
+    derived = set()
+    for node in graph.nodes:
+        if node.meta.get("batch_dim") is not None and node.op == "placeholder":
+            # The all-ones attention mask is made from the ids' shape only (ones_like), and
+            # position ids place tokens; neither is sample data for the mask's purpose.
+            derived.add(node)
+        elif node.op == "call_function" and node.target not in (aten.ones_like.default, aten.new_ones.default):
+            ins: list = []
+            fx.node.map_arg((node.args, node.kwargs), ins.append)
+            if any(i in derived for i in ins):
+                derived.add(node)
+    return derived

@@ -1,0 +1,85 @@
+"""The ``shard_grads`` pass: reduce-scatter local partial per-sample gradients over cp.
+
+Under context parallelism each cp rank holds T/cp tokens of every sample, so the
+``per_sample`` einsum gives a PARTIAL per-sample gradient (B, p, d): the sum over the
+local tokens only. The full per-sample gradient is the sum over the cp group. This pass
+inserts, right after each parameter's per-sample gradient (the input-stationary pattern
+of longshield.md Figure 5):
+
+- a reduce-scatter over cp (``_c10d_functional.reduce_scatter_tensor`` + ``wait_tensor``)
+  that leaves each rank a shard (B, p/cp, d) of the full per-sample gradient. The shard
+  dim is the larger of the parameter's first two dims among those divisible by cp (ties:
+  dim 0); its bytes per step are B·p·d·4, independent of T;
+- an all-reduce instead, for parameters with one dim (norm weights, biases) or none
+  divisible by cp: small, and replicated on every cp rank.
+
+Embedding gradients in sparse-row form are made dense (B, V, H) first: rows from
+different cp ranks may hit the same token and must be added before any norm.
+
+Assumes: ``per_sample`` ran with the sequence sharded over ``ctx.cp_group``.
+Guarantees: ``ctx.per_sample[name].dense`` is the shard (or the replicated full gradient)
+and ``ctx.shard_dims[name]`` is the parameter dim it is sharded along (None: replicated),
+so ``clip`` can all-reduce the squared norms of the shards exactly once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from . import PassContext
+from ._graph import val
+from .batch_dims import BatchDim
+from .per_sample import PerSampleGrad, Rewriter
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def shard_dim(shape, cp: int) -> int | None:
+    """The parameter dim a per-sample gradient is sharded along, or None (all-reduce)."""
+    if len(shape) < 2:
+        return None
+    candidates = [d for d in (0, 1) if shape[d] % cp == 0]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda d: (shape[d], -d))
+
+
+def _position(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Reduce-scatter (or all-reduce) per-sample gradients over cp (see the module docstring)."""
+    cp, group = ctx.cp_size, ctx.cp_group_name
+    rw = Rewriter(gm, ctx)
+    output = gm.graph.output_node()
+    loss, *_ = output.args[0]
+    outputs = []
+    for name in ctx.captured.param_names:
+        g = ctx.per_sample[name]
+        pieces = ([g.dense] if g.dense is not None else []) + [n for pair in g.rows for n in pair]
+        anchor = max(pieces, key=_position(gm.graph))
+        # inserting_before(x.next): nodes land right after x, in creation order.
+        with gm.graph.inserting_before(anchor.next):
+            full = rw.densify(g)
+        with gm.graph.inserting_before(full.next):
+            dim = shard_dim(g.shape, cp)
+            if dim is None:
+                reduced = rw.call(c10d.wait_tensor.default, rw.call(c10d.all_reduce.default, full, "sum", group))
+            else:
+                # reduce_scatter_tensor scatters dim 0: bring the shard dim to the front.
+                front = rw.call(aten.movedim.int, full, dim + 1, 0)
+                front = rw.call(aten.clone.default, front, memory_format=torch.contiguous_format)
+                scattered = rw.call(c10d.wait_tensor.default,
+                                    rw.call(c10d.reduce_scatter_tensor.default, front, "sum", cp, group))
+                reduced = rw.call(aten.movedim.int, scattered, 0, dim + 1)
+        reduced.meta["batch_dim"] = BatchDim(0, 1)
+        ctx.per_sample[name] = PerSampleGrad(tuple(val(reduced).shape[1:]), reduced)
+        ctx.shard_dims[name] = dim
+        outputs.append(reduced)
+    output.args = ((loss, *outputs),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm

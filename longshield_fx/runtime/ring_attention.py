@@ -1,0 +1,385 @@
+"""Context-parallel causal ring attention as opaque ``torch.library`` custom ops.
+
+A graph pass substitutes ``longshield::ring_attention`` / ``longshield::ring_attention_backward``
+for ``aten._scaled_dot_product_flash_attention_for_cpu`` / its ``_backward`` in a captured aten
+joint graph; each op stays a single node (``register_fake`` + ``register_autograd``).
+
+Layout ("head-tail" / zig-zag load balancing): a sequence of length ``T`` is cut into ``2*cp``
+chunks of length ``c = T / (2*cp)``; cp rank ``r`` holds chunks ``r`` and ``2*cp-1-r``, concatenated
+(local length ``2c = T/cp``). With a causal mask every rank then computes the same amount of work.
+
+Ring schedule (``cp`` steps): at step ``s`` rank ``r`` holds the K/V shard of rank ``src = (r-s) % cp``
+(received from ``r-1``, forwarded to ``r+1``; the transfer of the next block overlaps the compute of
+the current one). K/V travel un-repeated (``Hkv`` heads); GQA heads are expanded locally for the
+kernel only. Per (query chunk, key chunk) pair with global chunk ids ``i`` / ``j``: ``j > i`` is
+skipped, ``j == i`` is causal, ``j < i`` is full. Pairs are fused into one kernel call per step:
+
+* step 0 (own block): one causal call on the local ``2c x 2c`` block (the local layout is
+  increasing in global position, so plain causal masking is exactly the pair rule);
+* ``src < r``: both local query chunks attend to the first key chunk (one call, full);
+* ``src > r``: the second (tail) query chunk attends to the whole block (one call, full).
+
+Every rank therefore computes ``2*cp + 1`` chunk pairs (2 causal + ``2*cp - 1`` full) in ``cp`` calls.
+
+Blocks are merged with their log-sum-exp (fp32 accumulation). The backward pass rotates K/V around
+the ring again, calls the per-block flash backward with the GLOBAL (merged) ``out`` / ``lse`` (which
+gives the exact gradients of full attention: dq summed over blocks, dk/dv per block), and sends the
+fp32 dk/dv accumulators along with their blocks; one extra hop returns them to their owner.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "zigzag_index",
+    "shard_sequence",
+    "unshard_sequence",
+    "ring_attention",
+    "ring_attention_backward",
+    "blocks_per_rank",
+    "block_plan",
+    "last_block_counts",
+]
+
+aten = torch.ops.aten
+
+# Instrumentation, per process (= per cp rank), overwritten by each real (non-fake) call:
+# "forward"/"backward": chunk pairs computed (skipped pairs not counted);
+# "forward_calls"/"backward_calls": attention kernel calls (fused pairs).
+last_block_counts: dict[str, int] = {}
+
+
+# --------------------------------------------------------------------------------------------
+# Layout helpers
+
+
+def _check_divisible(T: int, cp: int) -> None:
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    if T % (2 * cp) != 0:
+        raise ValueError(
+            f"zig-zag context parallelism needs the sequence length to be divisible by 2*cp: "
+            f"T={T} is not divisible by 2*cp={2 * cp} (pad the sequence to a multiple of {2 * cp})"
+        )
+
+
+def zigzag_index(T: int, cp: int, rank: int) -> Tensor:
+    """Global positions (LongTensor of length ``T // cp``) held by cp ``rank``: chunks
+    ``rank`` and ``2*cp-1-rank`` of ``2*cp`` equal chunks, in that order."""
+    _check_divisible(T, cp)
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank must be in [0, {cp}), got {rank}")
+    c = T // (2 * cp)
+    head = torch.arange(rank * c, (rank + 1) * c)
+    tail = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+    return torch.cat([head, tail])
+
+
+def shard_sequence(x: Tensor, cp: int, rank: int, dim: int = 1) -> Tensor:
+    """The zig-zag shard of ``x`` (sequence along ``dim``) held by cp ``rank``."""
+    idx = zigzag_index(x.shape[dim], cp, rank).to(x.device)
+    return x.index_select(dim, idx)
+
+
+def unshard_sequence(shards: list[Tensor], cp: int, dim: int = 1) -> Tensor:
+    """Inverse of :func:`shard_sequence`: ``shards[r]`` is rank r's shard."""
+    if len(shards) != cp:
+        raise ValueError(f"expected {cp} shards, got {len(shards)}")
+    local = shards[0].shape[dim]
+    T = local * cp
+    _check_divisible(T, cp)
+    for r, s in enumerate(shards):
+        if s.shape[dim] != local:
+            raise ValueError(f"shard {r} has length {s.shape[dim]} along dim {dim}, expected {local}")
+    cat = torch.cat(list(shards), dim=dim)
+    pos = torch.cat([zigzag_index(T, cp, r) for r in range(cp)])  # global position of cat[i]
+    inv = torch.empty_like(pos)
+    inv[pos] = torch.arange(T)
+    return cat.index_select(dim, inv.to(cat.device))
+
+
+# --------------------------------------------------------------------------------------------
+# Block schedule
+
+_ALL = "all"  # a whole local shard (both chunks) in a plan entry
+
+
+def _chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    return rank, 2 * cp - 1 - rank
+
+
+def block_plan(cp: int, rank: int, src: int) -> list[tuple[int | str, int | str, bool, int]]:
+    """Kernel calls of ``rank`` against the K/V shard of ``src``.
+
+    Entries ``(q_sel, k_sel, is_causal, n_pairs)``; ``q_sel``/``k_sel`` are a local chunk index
+    (0 = head, 1 = tail) or ``"all"``. Derived from the per-pair rule on global chunk ids, then
+    fused (pairs sharing a query or key chunk with the same mask go into one call)."""
+    qids, kids = _chunk_ids(cp, rank), _chunk_ids(cp, src)
+    pairs = {
+        (i, j): qids[i] == kids[j] for i in (0, 1) for j in (0, 1) if kids[j] <= qids[i]
+    }  # (local q chunk, local k chunk) -> causal
+    if cp == 1 or (
+        set(pairs) == {(0, 0), (1, 0), (1, 1)} and pairs[(0, 0)] and pairs[(1, 1)] and not pairs[(1, 0)]
+    ):
+        # Diagonal block: local positions increase with global ones, so causal on the whole
+        # square local block is exactly (causal, skip / full, causal).
+        return [(_ALL, _ALL, True, 3)]
+    full = {p for p, causal in pairs.items() if not causal}
+    plan: list[tuple[int | str, int | str, bool, int]] = []
+    if len(full) == 4:
+        return [(_ALL, _ALL, False, 4)]
+    for i in (0, 1):
+        if {(i, 0), (i, 1)} <= full:
+            plan.append((i, _ALL, False, 2))
+            full -= {(i, 0), (i, 1)}
+    for j in (0, 1):
+        if {(0, j), (1, j)} <= full:
+            plan.append((_ALL, j, False, 2))
+            full -= {(0, j), (1, j)}
+    plan += [(i, j, False, 1) for (i, j) in sorted(full)]
+    plan += [(i, j, True, 1) for (i, j), causal in sorted(pairs.items()) if causal]
+    return plan
+
+
+def blocks_per_rank(cp: int) -> list[int]:
+    """Number of (non-skipped) chunk pairs each cp rank computes in one forward pass
+    (``2*cp + 1`` for every rank with the zig-zag layout)."""
+    return [
+        sum(n for s in range(cp) for *_, n in block_plan(cp, r, (r - s) % cp)) for r in range(cp)
+    ]
+
+
+def _sel(x: Tensor, which: int | str, dim: int = 2) -> Tensor:
+    if which == _ALL:
+        return x
+    c = x.shape[dim] // 2
+    return x.narrow(dim, which * c, c)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-block kernels (the only device-specific code)
+
+
+def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of one block -> (out, lse (B, H, Lq) fp32 natural log)."""
+    if q.device.type == "cuda":
+        if q.dtype in (torch.float16, torch.bfloat16):
+            out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        else:
+            out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+            lse = lse[..., : q.shape[2]]  # efficient attention pads lse to a multiple of 32
+        return out, lse.float()
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def _block_bwd(
+    go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    if q.device.type == "cuda":
+        Lq, Lk = q.shape[2], k.shape[2]
+        if q.dtype in (torch.float16, torch.bfloat16):
+            seed = torch.empty(2, dtype=torch.int64, device=q.device)  # unused without dropout
+            offset = torch.empty((), dtype=torch.int64, device=q.device)
+            return aten._scaled_dot_product_flash_attention_backward(
+                go, q, k, v, out, lse, None, None, Lq, Lk, 0.0, causal, seed, offset, scale=scale
+            )
+        pad = -Lq % 32
+        lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+        seed = torch.empty((), dtype=torch.int64)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            go, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
+        )
+        return dq, dk, dv
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        go, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def _expand_heads(x: Tensor, groups: int) -> Tensor:
+    """(B, Hkv, L, D) -> (B, Hkv*groups, L, D), query head h uses kv head h // groups."""
+    if groups == 1:
+        return x
+    B, H, L, D = x.shape
+    return x[:, :, None].expand(B, H, groups, L, D).reshape(B, H * groups, L, D)
+
+
+def _reduce_heads(x: Tensor, groups: int) -> Tensor:
+    if groups == 1:
+        return x
+    B, H, L, D = x.shape
+    return x.view(B, H // groups, groups, L, D).sum(2)
+
+
+# --------------------------------------------------------------------------------------------
+# Ring communication
+
+
+def _resolve_group(group_name: str, cp: int) -> tuple[dist.ProcessGroup, int]:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    size = dist.get_world_size(group)
+    if size != cp:
+        raise ValueError(f"process group {group_name!r} has {size} ranks, but cp={cp}")
+    return group, dist.get_rank(group)
+
+
+class _Exchange:
+    """Send ``buf`` to the next ring rank and receive the same-shaped buffer from the previous."""
+
+    def __init__(self, buf: Tensor, group: dist.ProcessGroup, rank: int, cp: int):
+        self._send = buf.contiguous()
+        self._recv = torch.empty_like(self._send)
+        self._works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, self._send, group=group, group_peer=(rank + 1) % cp),
+                dist.P2POp(dist.irecv, self._recv, group=group, group_peer=(rank - 1) % cp),
+            ]
+        )
+
+    def wait(self) -> Tensor:
+        for w in self._works:
+            w.wait()
+        self._send = None
+        return self._recv
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, cp: int) -> int:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("ring_attention expects (B, H, L, D) tensors")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"incompatible shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads {q.shape[1]} not a multiple of key/value heads {k.shape[1]}")
+    if cp > 1 and q.shape[2] % 2 != 0:
+        raise ValueError(f"local length {q.shape[2]} must be even (two zig-zag chunks)")
+    return q.shape[1] // k.shape[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Ops
+
+
+@torch.library.custom_op("longshield::ring_attention", mutates_args=())
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str, cp: int
+) -> tuple[Tensor, Tensor]:
+    """Causal attention of the local zig-zag shard against the whole (ring-distributed) sequence.
+
+    q: (B, Hq, L, D), k/v: (B, Hkv, L, D), L = T/cp. Returns out (B, Hq, L, D) in q's dtype and
+    lse (B, Hq, L) fp32 (natural log)."""
+    groups = _check_shapes(q, k, v, cp)
+    group, rank = _resolve_group(group_name, cp) if cp > 1 else (None, 0)
+    B, Hq, L, D = q.shape
+    acc_out = torch.zeros(B, Hq, L, D, dtype=torch.float32, device=q.device)
+    acc_lse = torch.full((B, Hq, L), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])  # travels un-repeated
+    pairs = calls = 0
+    for s in range(cp):
+        ex = _Exchange(kv, group, rank, cp) if s < cp - 1 else None
+        src = (rank - s) % cp
+        kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
+        for qs, ks, causal, n in block_plan(cp, rank, src):
+            o, lse = _block_fwd(_sel(q, qs), _sel(kk, ks), _sel(vv, ks), causal, scale)
+            a_out, a_lse = _sel(acc_out, qs), _sel(acc_lse, qs)
+            new = torch.logaddexp(a_lse, lse)
+            a_out.mul_(torch.exp(a_lse - new).unsqueeze(-1))
+            a_out.add_(o.float() * torch.exp(lse - new).unsqueeze(-1))
+            a_lse.copy_(new)
+            pairs, calls = pairs + n, calls + 1
+        if ex is not None:
+            kv = ex.wait()
+    last_block_counts.update(forward=pairs, forward_calls=calls)
+    return acc_out.to(q.dtype), acc_lse
+
+
+@ring_attention.register_fake
+def _(q, k, v, scale, group_name, cp):
+    _check_shapes(q, k, v, cp)
+    B, Hq, L, _ = q.shape
+    # Same (contiguous) layout as the real kernel, whatever the strides of q.
+    return q.new_empty(q.shape), q.new_empty((B, Hq, L), dtype=torch.float32)
+
+
+@torch.library.custom_op("longshield::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    group_name: str,
+    cp: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`ring_attention`: dq (B, Hq, L, D), dk/dv (B, Hkv, L, D) of the local
+    K/V shard (summed over the GQA group and over all ranks' queries)."""
+    groups = _check_shapes(q, k, v, cp)
+    group, rank = _resolve_group(group_name, cp) if cp > 1 else (None, 0)
+    grad_out = grad_out.to(q.dtype)
+    out = out.to(q.dtype)
+    lse = lse.float()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    dkv_ex = None
+    pairs = calls = 0
+    for s in range(cp):
+        ex = _Exchange(kv, group, rank, cp) if s < cp - 1 else None
+        src = (rank - s) % cp
+        kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for qs, ks, causal, n in block_plan(cp, rank, src):
+            dq_b, dk_b, dv_b = _block_bwd(
+                _sel(grad_out, qs).contiguous(),
+                _sel(q, qs),
+                _sel(kk, ks),
+                _sel(vv, ks),
+                _sel(out, qs).contiguous(),
+                _sel(lse, qs).contiguous(),
+                causal,
+                scale,
+            )
+            _sel(dq, qs).add_(dq_b)
+            _sel(dkv[0], ks).add_(_reduce_heads(dk_b, groups))
+            _sel(dkv[1], ks).add_(_reduce_heads(dv_b, groups))
+            pairs, calls = pairs + n, calls + 1
+        if dkv_ex is not None:  # accumulator of this block from the ranks before us
+            dkv += dkv_ex.wait()
+        if cp > 1:
+            dkv_ex = _Exchange(dkv, group, rank, cp)
+        if ex is not None:
+            kv = ex.wait()
+    if dkv_ex is not None:  # last hop: our own block's gradient comes back from rank - 1
+        dkv = dkv_ex.wait()
+    last_block_counts.update(backward=pairs, backward_calls=calls)
+    # dk/dv are views of one buffer: custom ops may not return aliasing outputs, so copy.
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+
+
+@ring_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, scale, group_name, cp):
+    _check_shapes(q, k, v, cp)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, group_name, cp = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale, ctx.group_name, ctx.cp = scale, group_name, cp
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.longshield.ring_attention_backward(
+        grad_out, q, k, v, out, lse, ctx.scale, ctx.group_name, ctx.cp
+    )
+    return dq, dk, dv, None, None, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,60 @@
+"""Worker for multi-process tests, run under torchrun by tests/runtime/test_parallel.py.
+
+Each rank compares the context-parallel engine against a single-process engine built from
+the same seed (the oracle), on the same batches; prints one JSON line on rank 0.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+import longshield_fx as lf  # noqa: E402
+from oracles import hf_llama, tiny_llama  # noqa: E402
+
+
+def build(kind):
+    return {"llama": lambda: tiny_llama(seed=0), "hf_llama": lambda: hf_llama(seed=0)}[kind]()
+
+
+def main():
+    cp, dp, kind, T = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    dist.init_process_group("gloo")
+    if dp > 1:
+        mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    else:
+        mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    vocab = 128 if kind == "hf_llama" else 256
+    batches = [torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(s)) for s in range(dp)]
+    cfg = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=0.0, seed=0)
+    single_model, cp_model = build(kind), build(kind)
+    single, parallel = lf.compile(single_model, config=cfg), lf.compile(cp_model, mesh, config=cfg)
+
+    ids = batches[0]
+    ref = single.per_sample_grads(ids, ids)
+    ours = parallel.per_sample_grads(ids, ids)
+    worst_ps = max(float((ours[n] - ref[n]).abs().max()) for n in ref)
+
+    for b in batches:
+        single.accumulate(b, b)
+    single.finalize(1.0)
+    dp_rank = mesh["dp"].get_local_rank() if dp > 1 else 0
+    loss = parallel.accumulate(batches[dp_rank], batches[dp_rank])
+    parallel.finalize(1.0)
+    worst_clip = max(float((p.grad - q.grad).abs().max())
+                     for p, q in zip(single_model.parameters(), cp_model.parameters()))
+    clipped = bool((parallel.last_norms > cfg.max_grad_norm).any())
+    ref_loss = single_model(batches[dp_rank], batches[dp_rank]).sum()
+    result = {"per_sample": worst_ps, "clipped_sum": worst_clip, "clipped_something": clipped,
+              "loss": abs(float(loss) - float(ref_loss)), "bytes": parallel.communication_bytes(),
+              "rank": dist.get_rank()}
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
