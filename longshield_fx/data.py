@@ -69,8 +69,9 @@ class PoissonBatches:
     Empty logical batches (possible whenever ``q < 1``) yield ONE physical
     batch of pads with an all-zero mask rather than none. The step still runs
     the same compiled graph, its clipped sum is exactly zero, and the noise is
-    added as on any other step — which is what the accountant assumes. Skipping
-    the step instead would leak whether the batch was empty.
+    added as on any other step, which is what the accountant assumes: skipping
+    the step (or its noise) would release, without noise, whether the batch
+    was empty.
 
     Iteration resumes where it left off: ``iter()`` yields the remaining steps
     of the current epoch (all ``len(self)`` at an epoch boundary). Together
@@ -189,7 +190,9 @@ class PoissonBatches:
         """
         for key in ("step", "generator_state"):
             if key not in state:
-                raise ValueError(f"state is missing {key!r}; expected a PoissonBatches.state_dict()")
+                raise ValueError(
+                    f"state is missing {key!r}; expected a PoissonBatches.state_dict()"
+                )
         if state.get("sample_rate", self.sample_rate) != self.sample_rate:
             raise ValueError(
                 f"state was saved with sample_rate={state['sample_rate']}, "

@@ -25,11 +25,12 @@ __all__ = ["PrivacyAccountant", "epsilon_for", "calibrate_noise"]
 
 _METHODS = ("rdp", "pld")
 
-# calibrate_noise searches sigma in this range. Below SIGMA_MIN the Gaussian
-# mechanism is effectively noiseless; above SIGMA_MAX the gradient signal is
-# drowned for any realistic batch, so a target that needs more is a
-# configuration mistake (too many steps, too large q, too small epsilon).
-SIGMA_MIN = 1e-3
+# calibrate_noise searches sigma in this range. At SIGMA_MIN epsilon is already
+# in the hundreds for any non-vacuous delta, and PLD takes tens of seconds per
+# evaluation below it; above SIGMA_MAX the gradient signal is drowned for any
+# realistic batch, so a target that needs more is a configuration mistake (too
+# many steps, too large q, too small epsilon).
+SIGMA_MIN = 0.1
 SIGMA_MAX = 1e4
 
 
@@ -194,11 +195,12 @@ def calibrate_noise(
     for PLD (up to seconds per evaluation at small sigma). PLD starts from the
     RDP answer, since the two agree to within tens of percent.
 
-    If epsilon jumps across the window (PLD discretisation; RDP's switch to
-    its KL bound), the search stops once the bracket is 1e-9 relative and
-    returns its feasible end. If even ``SIGMA_MIN`` meets the target (delta
-    exceeds the chance that an example is ever sampled), ``SIGMA_MIN`` is
-    returned. If ``SIGMA_MAX`` does not, a ``ValueError`` says what to change.
+    If epsilon jumps across the window (PLD discretisation), the search stops
+    once the bracket is 1e-9 relative and returns its feasible end. If even
+    ``SIGMA_MIN`` meets the target (only for huge targets), ``SIGMA_MIN`` is
+    returned, with epsilon below the target. If ``SIGMA_MAX`` does not, or if
+    delta is so large that the guarantee is vacuous, a ``ValueError`` says
+    what to change.
     """
     if not (
         isinstance(target_epsilon, numbers.Real)
@@ -212,6 +214,18 @@ def calibrate_noise(
     _check_method(method)
     if not (isinstance(rtol, numbers.Real) and 0 < rtol < 0.5):
         raise ValueError(f"rtol must be in (0, 0.5), got {rtol!r}")
+
+    # An example is sampled at least once with probability 1 - (1 - q)^T; if
+    # delta covers that, even sigma = 0 "meets" any epsilon, calibration is
+    # meaningless (and PLD would crawl towards sigma = 0 at great cost).
+    sampled_mass = -math.expm1(steps * math.log1p(-sample_rate)) if sample_rate < 1 else 1.0
+    if delta >= sampled_mass:
+        raise ValueError(
+            f"delta={delta} is >= {sampled_mass:.3g}, the probability that a given "
+            f"example is sampled at all in {steps} steps at sample_rate={sample_rate}; "
+            f"the guarantee is vacuous (no noise is needed to meet it). Use delta well "
+            f"below 1/dataset_size"
+        )
 
     def eps(sigma: float) -> float:
         return _epsilon([(sigma, float(sample_rate), steps)], delta, method)

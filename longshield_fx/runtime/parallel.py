@@ -141,9 +141,8 @@ class Parallel:
             if not isinstance(e, dist.DistError) and not any(w in text for w in _PEER_FAILURE_WORDS):
                 raise
             raise RuntimeError(
-                f"longshield_fx: a collective over the mesh ({self}) failed: {e}. A peer rank probably died "
-                "or stopped calling the engine; the wait is bounded by the process group timeout "
-                "(init_process_group(timeout=...))") from e
+                f"longshield_fx: a peer rank probably died or stopped calling the engine: a collective over "
+                f"the mesh ({self}) failed (waits are bounded by init_process_group(timeout=...)): {e}") from e
 
     def communication_bytes(self, gm) -> dict[str, int]:
         out = {"reduce_scatter": 0, "all_reduce": 0, "ring_attention": 0}

@@ -159,7 +159,9 @@ def _sel(x: Tensor, which: int | str, dim: int = 2) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Per-block kernels (the only device-specific code)
+# Per-block kernels (the only device-specific code). The CUDA branch (flash for fp16/bf16,
+# memory-efficient for fp32; both return lse) is written to the aten schemas but only the
+# CPU branch is exercised by the tests.
 
 
 def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -291,15 +293,28 @@ def ring_attention(
         if ex is not None:
             kv = ex.wait()
     last_block_counts.update(forward=pairs, forward_calls=calls)
-    return acc_out.to(q.dtype), acc_lse
+    return _flash_layout(acc_out.to(q.dtype)), _flash_layout(acc_lse)
+
+
+def _flash_layout(x: Tensor) -> Tensor:
+    """x (B, H, L, ...) with the strides the CPU flash kernels give: heads inner to L.
+
+    The captured graph around attention was traced with those strides (it views the
+    output after ``transpose(1, 2)``), so the ring ops must return the same layout.
+    """
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _empty_flash_layout(shape, like: Tensor, dtype=None) -> Tensor:
+    B, H, L, *rest = shape
+    return like.new_empty((B, L, H, *rest), dtype=dtype or like.dtype).transpose(1, 2)
 
 
 @ring_attention.register_fake
 def _(q, k, v, scale, group_name, cp):
     _check_shapes(q, k, v, cp)
     B, Hq, L, _ = q.shape
-    # Same (contiguous) layout as the real kernel, whatever the strides of q.
-    return q.new_empty(q.shape), q.new_empty((B, Hq, L), dtype=torch.float32)
+    return _empty_flash_layout(q.shape, q), _empty_flash_layout((B, Hq, L), q, torch.float32)
 
 
 @torch.library.custom_op("longshield::ring_attention_backward", mutates_args=())
@@ -355,13 +370,14 @@ def ring_attention_backward(
         dkv = dkv_ex.wait()
     last_block_counts.update(backward=pairs, backward_calls=calls)
     # dk/dv are views of one buffer: custom ops may not return aliasing outputs, so copy.
-    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+    # _flash_layout copies, so dk/dv (views of one buffer) do not alias: custom ops may not.
+    return _flash_layout(dq.to(q.dtype)), _flash_layout(dkv[0].to(k.dtype)), _flash_layout(dkv[1].to(v.dtype))
 
 
 @ring_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, scale, group_name, cp):
     _check_shapes(q, k, v, cp)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _empty_flash_layout(q.shape, q), _empty_flash_layout(k.shape, k), _empty_flash_layout(v.shape, v)
 
 
 def _setup_context(ctx, inputs, output):

@@ -22,6 +22,8 @@ def build(kind):
 
 def main():
     cp, dp, kind, T = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    if kind == "dead_peer":
+        return dead_peer(cp)
     dist.init_process_group("gloo")
     if dp > 1:
         mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
@@ -48,12 +50,45 @@ def main():
                      for p, q in zip(single_model.parameters(), cp_model.parameters()))
     clipped = bool((parallel.last_norms > cfg.max_grad_norm).any())
     ref_loss = single_model(batches[dp_rank], batches[dp_rank]).sum()
-    result = {"per_sample": worst_ps, "clipped_sum": worst_clip, "clipped_something": clipped,
+    # Noise: same seed, σ > 0: the parallel engine must add exactly the single-process noise
+    # (once per coordinate, not once per rank or per dp replica).
+    noisy = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=1.0, seed=7)
+    single, parallel = lf.compile(single_model, config=noisy), lf.compile(cp_model, mesh, config=noisy)
+    for b in batches:
+        single.accumulate(b, b)
+    single.finalize(4.0)
+    parallel.accumulate(batches[dp_rank], batches[dp_rank])
+    parallel.finalize(4.0)
+    worst_noise = max(float((p.grad - q.grad).abs().max())
+                      for p, q in zip(single_model.parameters(), cp_model.parameters()))
+    noise_scale = float(single_model.lm.norm.weight.grad.std()) if kind == "llama" else float("nan")
+    result = {"noisy": worst_noise, "noise_std": noise_scale, "per_sample": worst_ps, "clipped_sum": worst_clip, "clipped_something": clipped,
               "loss": abs(float(loss) - float(ref_loss)), "bytes": parallel.communication_bytes(),
               "rank": dist.get_rank()}
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
+
+
+def dead_peer(cp):
+    """Rank 1 dies after compile; rank 0 must get a clear error within the PG timeout."""
+    import datetime
+    import time
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    engine = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 0.0, seed=0))
+    if dist.get_rank() == 1:
+        os._exit(0)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    start = time.time()
+    try:
+        engine.accumulate(ids, ids)
+    except RuntimeError as e:
+        print("RESULT " + json.dumps({"error": str(e)[:300], "seconds": time.time() - start}), flush=True)
+        os._exit(0)
+    print("RESULT " + json.dumps({"error": None}), flush=True)
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""The ``checkpoint`` pass: activation checkpointing as a rewrite of the joint graph.
+
+Rewrites: every forward node inside a transformer block (a region) that the backward
+reads is recomputed in the backward instead of being kept: the pass copies the forward
+nodes a backward node needs, transitively within the region, right before the first
+backward node that needs them, and points the backward (data gradients and the
+per-sample einsums alike) at the copies. Forward versions the forward itself no longer
+needs die after their last forward use, so no activation inside a region outlives the
+region's forward; the recomputed copies die right after their last backward use.
+
+Regions come from the module path dynamo records on each forward node
+(``nn_module_stack``): the first module whose name ends in an index (``layers.3``,
+``h.0``) is the region. Kept from the forward, per region: the nodes that the forward
+outside the region reads (the block's output, i.e. the next block's input) and, with
+``"selective"``, the attention outputs and their log-sum-exp (LoongTrain's Selective
+Checkpoint++), so attention (and its ring communication under cp) is not recomputed.
+With ``"block"`` ring attention is recomputed with its communication.
+
+Assumes: forward nodes carry ``partitioner_tag == "is_forward"`` and module stacks; no
+random ops inside regions (dropout would recompute differently; refused).
+Guarantees: the same values as without the pass (the copies compute the same ops on the
+same inputs); the graph stays topologically ordered.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedModelError
+from . import PassContext
+
+aten = torch.ops.aten
+_BLOCK = re.compile(r"^(.*?\.)?\w+\.\d+$")
+_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "ring_attention",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"}
+
+
+def region_of(node: fx.Node) -> str | None:
+    """The transformer block a forward node belongs to, from its module path."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if _BLOCK.match(path):
+            return path
+    return None
+
+
+def checkpoint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Recompute block activations in the backward (see the module docstring)."""
+    graph = gm.graph
+    policy = ctx.checkpoint
+    forward = [n for n in graph.nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"]
+    region = {n: r for n in forward if (r := region_of(n)) is not None}
+    if not region:
+        raise UnsupportedModelError(
+            "checkpoint: no transformer blocks found (no module named like 'layers.0' in the forward); "
+            "use checkpoint=None")
+    is_forward = set(forward)
+    keep = set()
+    for node, r in region.items():
+        if any(u in is_forward and region.get(u) != r for u in node.users):
+            keep.add(node)  # read by the forward outside the region: the block output
+        if policy == "selective" and _is_attention(node):
+            keep.add(node)
+            keep.update(node.users)  # its getitems: out and lse
+        if node.is_impure() and not _is_attention(node):
+            raise UnsupportedModelError(f"checkpoint: {node.target} ({node.name}) in {r} is random or impure; "
+                                        "recomputing it would change the result")
+    recompute = {n for n in region if n not in keep}
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def recomputed(node: fx.Node, before: fx.Node) -> fx.Node:
+        if node not in recompute:
+            return node
+        if node not in copies:
+            with graph.inserting_before(before):
+                args = fx.node.map_arg((node.args, node.kwargs), lambda a: recomputed(a, before))
+            with graph.inserting_before(before):
+                copy = graph.call_function(node.target, *args)
+            copy.meta.update(node.meta)
+            copy.meta["partitioner_tag"] = "is_backward"
+            copy.meta["recomputed"] = True
+            copy.name = f"{node.name}_recomputed"
+            copies[node] = copy
+        return copies[node]
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node in is_forward or node.meta.get("recomputed"):
+            continue
+        if not any(i in recompute for i in node.all_input_nodes):
+            continue
+        node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: recomputed(a, node))
+    # Forward versions read only by the backward are now unused. Attention is removed by
+    # hand too: fx treats it as impure because of its dropout argument.
+    for node in reversed(list(graph.nodes)):
+        if node in recompute and not node.users:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    ctx.log_note = f"{len(copies)} nodes recomputed, {len(keep)} kept in {len(set(region.values()))} regions"
+    return gm
+
+
+def _is_attention(node: fx.Node) -> bool:
+    return getattr(node.target, "__name__", "").split(".")[0] in _ATTENTION

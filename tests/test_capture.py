@@ -1,0 +1,59 @@
+"""capture: one joint graph, parameters as inputs, a grad node per trainable parameter."""
+import time
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import longshield_fx as lf
+from longshield_fx.capture import capture
+from longshield_fx.models import Llama
+from longshield_fx.passes import PassContext, run_passes
+from longshield_fx.passes.batch_dims import batch_dims
+from longshield_fx.passes.per_sample import per_sample
+
+from oracles import MLP, mlp_batch, tiny_llama, token_batch
+
+
+def test_parameters_are_inputs_and_grads_are_mapped():
+    model = MLP()
+    captured = capture(model, mlp_batch())
+    kinds = [k for k, _ in captured.inputs]
+    assert kinds == ["param"] * 4 + ["input", "input", "cotangent"]
+    assert captured.param_names == [n for n, _ in model.named_parameters()]
+    for name, p in model.named_parameters():
+        node = captured.grad_nodes[name]
+        assert tuple(node.meta["val"].shape) == tuple(p.shape)
+    outputs = captured.gm.graph.output_node().args[0]
+    assert list(outputs[1:]) == [captured.grad_nodes[n] for n in captured.param_names]
+    # The captured graph computes the loss and the gradient of its sum.
+    x, y = mlp_batch()
+    loss, *grads = captured.gm(*captured.gather_args(model, (x, y), torch.ones(4)))
+    torch.testing.assert_close(loss, model(x, y))
+    model(x, y).sum().backward()
+    for g, (_, p) in zip(grads, model.named_parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_frozen_parameters_get_no_gradient():
+    model = tiny_llama()
+    model.lm.norm.weight.requires_grad_(False)
+    captured = capture(model, token_batch())
+    assert "lm.norm.weight" not in captured.param_names
+    assert ("param", "lm.norm.weight") in captured.inputs
+
+
+@pytest.mark.slow
+def test_llama_8b_shapes_capture_on_fake_tensors():
+    """Real 8B shapes, no real memory: what the planner builds on (time is printed, not asserted)."""
+    start = time.time()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = lf.CausalLMLoss(Llama.from_name("llama3.1-8b"))
+        ids = torch.randint(0, 128256, (1, 4096))
+    captured = capture(model, (ids, ids))
+    ctx = PassContext(captured, 1)
+    run_passes(captured.gm, ctx, [batch_dims, per_sample])
+    elapsed = time.time() - start
+    assert len(ctx.per_sample) == 32 * 9 + 3
+    assert tuple(ctx.per_sample["lm.layers.0.attention.wk.weight"].dense.meta["val"].shape) == (1, 1024, 4096)
+    print(f"8B capture + batch_dims + per_sample on fake tensors: {elapsed:.1f}s")
