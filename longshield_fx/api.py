@@ -17,14 +17,16 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
     ``mesh``: a ``torch.distributed.DeviceMesh`` with a ``"cp"`` dimension (and optionally
     ``"dp"``) for context-parallel training under torchrun; the model must then be a
     ``CausalLMLoss``. Every rank passes the same full batch; the engine keeps its shard.
+
+    ``checkpoint``: None, ``"block"`` (recompute each transformer block's activations in the
+    backward) or ``"selective"`` (as block, but keep attention outputs and their lse).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be an nn.Module, got {type(model).__name__}")
     if config is not None and not isinstance(config, DPConfig):
         raise TypeError(f"compile: config must be a longshield_fx.DPConfig, got {type(config).__name__}")
-    if checkpoint is not None:
-        raise NotImplementedError(
-            "compile: activation checkpointing is not implemented yet; pass checkpoint=None")
+    if checkpoint not in (None, "block", "selective"):
+        raise ValueError(f"compile: checkpoint must be None, 'block' or 'selective', got {checkpoint!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("compile: the model has no trainable parameters (all requires_grad=False)")
-    return Engine(model, config, mesh)
+    return Engine(model, config, mesh, checkpoint)

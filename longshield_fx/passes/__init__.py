@@ -31,6 +31,8 @@ class PassContext:
     cp_rank: int = 0
     # name -> parameter dim its per-sample gradient is sharded along over cp (None: replicated).
     shard_dims: dict = field(default_factory=dict)
+    # Activation checkpointing policy: None, "block" or "selective".
+    checkpoint: str | None = None
     log: list = field(default_factory=list)
 
 

@@ -97,7 +97,6 @@ def checkpoint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             graph.erase_node(node)
     graph.eliminate_dead_code()
     gm.recompile()
-    ctx.log_note = f"{len(copies)} nodes recomputed, {len(keep)} kept in {len(set(region.values()))} regions"
     return gm
 
 

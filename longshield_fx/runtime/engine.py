@@ -17,6 +17,7 @@ from ..errors import UnsupportedModelError
 from ..passes import PassContext, format_log, run_passes
 from ..passes._graph import val
 from ..passes.batch_dims import batch_dims
+from ..passes.checkpoint import checkpoint
 from ..passes.clip import clip
 from ..passes.per_sample import per_sample
 from .accounting import PrivacyAccountant
@@ -30,8 +31,9 @@ class Engine:
     batch must have the same shapes (pad with a mask: ``longshield_fx.data.PoissonBatches``).
     """
 
-    def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None):
+    def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None, checkpoint=None):
         self.model = model
+        self.checkpoint = checkpoint
         self.config = config
         self.parallel = Parallel.from_mesh(model, mesh)
         self.accountant = PrivacyAccountant()
@@ -64,8 +66,10 @@ class Engine:
                 f"{None if loss_val is None else tuple(loss_val.shape)}; wrap a language model in "
                 "longshield_fx.CausalLMLoss or return loss.sum(dim=1)-style per-sample values")
         ctx = PassContext(captured, B, self.config, cp_size=self.parallel.cp,
-                          cp_group_name=self.parallel.cp_group_name, cp_rank=self.parallel.cp_rank)
-        gm = run_passes(captured.gm, ctx, self.parallel.passes(passes))
+                          cp_group_name=self.parallel.cp_group_name, cp_rank=self.parallel.cp_rank,
+                          checkpoint=self.checkpoint)
+        passes = self.parallel.passes(passes) + ([checkpoint] if self.checkpoint else [])
+        gm = run_passes(captured.gm, ctx, passes)
         if captured.mutations:
             raise UnsupportedModelError(
                 f"the forward mutates model state ({', '.join(captured.mutations)}); the compiled step "
