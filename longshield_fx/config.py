@@ -23,6 +23,9 @@ class DPConfig:
         their own dtype, norms and sums are fp32, and there is no loss scaling (a scaled
         loss would scale the clipping threshold, see dp-zero.md appendix C).
     accountant: "rdp" or "pld" (both from dp-accounting).
+    per_sample_comm: under context parallelism, "input_stationary" (default: local einsum,
+        then reduce-scatter; bytes constant in T) or "output_stationary" (gather activations
+        and activation gradients, then a local einsum; bytes grow with T), longshield.md 3.2.
     """
 
     max_grad_norm: float
@@ -34,6 +37,7 @@ class DPConfig:
     compute_dtype: torch.dtype = torch.float32
     automatic_gamma: float = 0.01
     accountant: str = "rdp"
+    per_sample_comm: str = "input_stationary"
 
     def __post_init__(self):
         if not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
@@ -51,5 +55,8 @@ class DPConfig:
             raise ValueError(f"DPConfig: automatic_gamma must be > 0, got {self.automatic_gamma!r}")
         if self.accountant not in ("rdp", "pld"):
             raise ValueError(f"DPConfig: accountant must be 'rdp' or 'pld', got {self.accountant!r}")
+        if self.per_sample_comm not in ("input_stationary", "output_stationary"):
+            raise ValueError(f"DPConfig: per_sample_comm must be 'input_stationary' or 'output_stationary', "
+                             f"got {self.per_sample_comm!r}")
         if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"DPConfig: compute_dtype must be a float dtype, got {self.compute_dtype!r}")

@@ -46,7 +46,10 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     b = GraphBuilder(graph, ctx.captured.fake_mode)
     rw = Rewriter(gm, ctx)
     B = ctx.batch_size
-    names = ctx.captured.param_names
+    # Norms in the order the per-sample gradients become available: the last ones (the
+    # first layer's, and under cp their reduce-scatters) get the most time to arrive.
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    names = sorted(ctx.captured.param_names, key=lambda n: _available_at(ctx.per_sample[n], position))
     with graph.inserting_before(output):
         keep = b(aten.gt.Scalar, mask, 0)
         sq = {name: _sq_norm(rw, b, ctx.per_sample[name], keep) for name in names}
@@ -69,13 +72,19 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 name: _min1(b, _ratio(b, threshold, b(aten.add.Scalar, b(aten.sqrt.default, sq[name]), _EPS)))
                 for name in names}
         factors = {name: b(aten.where.ScalarOther, keep, f, 0.0) for name, f in factors.items()}
-        sums = [_weighted_sum(rw, b, ctx.per_sample[name], factors[name], keep) for name in names]
+        sums = {name: _weighted_sum(rw, b, ctx.per_sample[name], factors[name], keep) for name in names}
+        sums = [sums[name] for name in ctx.captured.param_names]
         loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, keep, loss, 0.0))
         norms = b(aten.where.ScalarOther, keep, norm, 0.0)
     output.args = ((loss_sum, norms, *sums),)
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _available_at(g: PerSampleGrad, position: dict) -> int:
+    nodes = ([g.dense] if g.dense is not None else []) + [n for pair in g.rows for n in pair]
+    return max(position[n] for n in nodes)
 
 
 def _all_reduce_shard_norms(b, ctx: PassContext, sq: dict, per_parameter: bool) -> dict:

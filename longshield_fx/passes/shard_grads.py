@@ -13,6 +13,11 @@ of longshield.md Figure 5):
 - an all-reduce instead, for parameters with one dim (norm weights, biases) or none
   divisible by cp: small, and replicated on every cp rank.
 
+With ``DPConfig(per_sample_comm="output_stationary")`` (longshield.md Figure 4), a
+parameter whose per-sample gradient is one einsum over the tokens gathers the einsum's
+two operands over cp instead and computes its own shard locally: same shard, bytes
+growing with T. Offered to measure the trade-off; input-stationary is the default.
+
 Embedding gradients in sparse-row form are made dense (B, V, H) first: rows from
 different cp ranks may hit the same token and must be added before any norm.
 
@@ -64,9 +69,12 @@ def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         # inserting_before(x.next): nodes land right after x, in creation order.
         with gm.graph.inserting_before(anchor.next):
             full = rw.densify(g)
+        dim = shard_dim(g.shape, cp)
+        einsum = _plain_einsum(g)
         with gm.graph.inserting_before(full.next):
-            dim = shard_dim(g.shape, cp)
-            if dim is None:
+            if dim is not None and einsum is not None and ctx.config.per_sample_comm == "output_stationary":
+                reduced = _output_stationary(rw, einsum, dim, ctx)
+            elif dim is None:
                 reduced = rw.call(c10d.wait_tensor.default, rw.call(c10d.all_reduce.default, full, "sum", group))
             else:
                 # reduce_scatter_tensor scatters dim 0: bring the shard dim to the front.
@@ -83,3 +91,42 @@ def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _plain_einsum(g: PerSampleGrad) -> fx.Node | None:
+    """The per-sample einsum ``"X,Y->bmn"`` contracting one token label, if that is all g is."""
+    node = g.dense
+    if g.rows or node is None or node.target != aten.einsum.default or len(node.args[1]) != 2:
+        return None
+    inputs, out = node.args[0].split("->")
+    left, right = inputs.split(",")
+    contracted = (set(left) & set(right)) - set(out)
+    return node if out.startswith("b") and len(contracted) == 1 else None
+
+
+def _output_stationary(rw: Rewriter, einsum: fx.Node, dim: int, ctx: PassContext) -> fx.Node:
+    """longshield.md Figure 4: gather both einsum operands over the sequence, then compute
+    only this rank's shard of the per-sample gradient locally (no reduction needed).
+
+    Operands are all-gathered along their token dim (the paper exchanges one of them
+    all-to-all; gathering both moves more bytes, and the count reported is what this
+    does). Bytes grow linearly with T, unlike the reduce-scatter.
+    """
+    cp, group, rank = ctx.cp_size, ctx.cp_group_name, ctx.cp_rank
+    spec = einsum.args[0]
+    inputs, out = spec.split("->")
+    labels = inputs.split(",")
+    token = ((set(labels[0]) & set(labels[1])) - set(out)).pop()
+    shard_label = out[dim + 1]
+    operands = []
+    for x, lab in zip(einsum.args[1], labels):
+        t = lab.index(token)
+        front = rw.call(aten.clone.default, rw.call(aten.movedim.int, x, t, 0), memory_format=torch.contiguous_format)
+        gathered = rw.call(c10d.wait_tensor.default, rw.call(c10d.all_gather_into_tensor.default, front, cp, group))
+        full = rw.call(aten.movedim.int, gathered, 0, t)
+        if shard_label in lab:
+            d = lab.index(shard_label)
+            size = val(full).shape[d] // cp
+            full = rw.call(aten.slice.Tensor, full, d, rank * size, (rank + 1) * size)
+        operands.append(full)
+    return rw.call(aten.einsum.default, spec, operands)

@@ -207,9 +207,10 @@ class Engine:
         """Bytes each kind of collective in the training graph moves per physical batch.
 
         From the graph's fake-tensor metadata: a reduce-scatter or all-reduce counts its
-        input's bytes; ring attention counts the K/V blocks it forwards ((cp-1) hops of
-        K and V forward, K, V, dK and dV backward). The per-sample gradient collectives do
-        not depend on T; ring attention's do.
+        input's bytes, an all-gather the gathered buffer; ring attention counts the K/V
+        blocks it forwards ((cp-1) hops of K and V forward; K and V, and fp32 dK and dV,
+        backward). The input-stationary per-sample gradient collectives do not depend on
+        T; ring attention's and the output-stationary all-gathers do.
         """
         if self._train is None:
             raise RuntimeError("engine.communication_bytes: run accumulate once first (capture is lazy)")

@@ -32,6 +32,7 @@ class Parallel:
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
         self.cp_group_name = cp_group.group_name if cp_group is not None else None
+        self.overlap = True  # the overlap pass; benchmarks turn it off to compare
 
     @classmethod
     def from_mesh(cls, model: nn.Module, mesh) -> "Parallel":
@@ -64,7 +65,9 @@ class Parallel:
         if self.cp == 1:
             return passes
         from ..passes.batch_dims import batch_dims
+        from ..passes.clip import clip
         from ..passes.context_parallel import context_parallel
+        from ..passes.overlap import overlap
         from ..passes.per_sample import per_sample
         from ..passes.shard_grads import shard_grads
 
@@ -73,8 +76,10 @@ class Parallel:
             out.append(p)
             if p is batch_dims:
                 out.append(context_parallel)
-            if p is per_sample and len(passes) > 2:  # training graph: shard; inspection: keep full
+            if p is per_sample and clip in passes:  # training graph: shard; inspection: keep full
                 out.append(shard_grads)
+            if p is clip and self.overlap:
+                out.append(overlap)
         return out
 
     def capture_module(self, model: nn.Module) -> nn.Module:
@@ -145,7 +150,7 @@ class Parallel:
                 f"the mesh ({self}) failed (waits are bounded by init_process_group(timeout=...)): {e}") from e
 
     def communication_bytes(self, gm) -> dict[str, int]:
-        out = {"reduce_scatter": 0, "all_reduce": 0, "ring_attention": 0}
+        out = {"reduce_scatter": 0, "all_reduce": 0, "all_gather": 0, "ring_attention": 0}
         if self.cp == 1:
             return out
         c10d = torch.ops._c10d_functional
@@ -157,6 +162,8 @@ class Parallel:
                 out["reduce_scatter"] += nbytes[0]
             elif node.target == c10d.all_reduce.default:
                 out["all_reduce"] += nbytes[0]
+            elif node.target == c10d.all_gather_into_tensor.default:
+                out["all_gather"] += nbytes[0] * self.cp  # the gathered buffer
             elif node.target == ring.ring_attention.default:
                 out["ring_attention"] += (self.cp - 1) * (nbytes[1] + nbytes[2])
             elif node.target == ring.ring_attention_backward.default:

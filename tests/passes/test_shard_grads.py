@@ -27,10 +27,10 @@ def fake_world(size):
         dist.destroy_process_group()
 
 
-def build(cp, dp=1, T=32, B=2, **model_kw):
+def build(cp, dp=1, T=32, B=2, comm="input_stationary", **model_kw):
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")) if dp > 1 else \
         init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-    engine = lf.compile(tiny_llama(**model_kw), mesh, config=lf.DPConfig(1.0, 1.0, seed=0))
+    engine = lf.compile(tiny_llama(**model_kw), mesh, config=lf.DPConfig(1.0, 1.0, seed=0, per_sample_comm=comm))
     ids = torch.zeros(B, T, dtype=torch.long)
     engine._training_graph((ids, ids))
     return engine
@@ -109,6 +109,21 @@ def test_reduce_scatter_bytes_do_not_grow_with_T_and_activations_halve_with_cp()
     with fake_world(4):
         cp4 = activation_bytes(build(4, T=2048).graph_module)
     assert cp4 * 2 == cp2
+
+
+def per_sample_bytes(engine):
+    b = engine.communication_bytes()
+    return b["reduce_scatter"] + b["all_reduce"] + b["all_gather"]
+
+
+def test_input_stationary_bytes_constant_output_stationary_linear_in_T():
+    with fake_world(2):
+        inp = [per_sample_bytes(build(2, T=T, B=1)) for T in (512, 2048, 8192)]
+        out = [per_sample_bytes(build(2, T=T, B=1, comm="output_stationary")) for T in (512, 2048, 8192)]
+    assert inp[0] == inp[1] == inp[2]
+    # affine in T: equal steps for equal increments (2048-512 = 1536, 8192-2048 = 6144 = 4x)
+    assert (out[2] - out[1]) == 4 * (out[1] - out[0]) > 0
+    assert out[2] > inp[2]
 
 
 def test_shard_dim_rule():

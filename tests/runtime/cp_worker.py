@@ -22,7 +22,8 @@ def build(kind):
 
 def main():
     cp, dp, kind, T = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    policy = sys.argv[5] if len(sys.argv) > 5 else None  # activation checkpointing of the cp engine
+    policy = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "none" else None  # checkpointing of the cp engine
+    comm = sys.argv[6] if len(sys.argv) > 6 else "input_stationary"
     if kind == "dead_peer":
         return dead_peer(cp)
     dist.init_process_group("gloo")
@@ -32,7 +33,7 @@ def main():
         mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     vocab = 128 if kind == "hf_llama" else 256
     batches = [torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(s)) for s in range(dp)]
-    cfg = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=0.0, seed=0)
+    cfg = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=0.0, seed=0, per_sample_comm=comm)
     single_model, cp_model = build(kind), build(kind)
     single = lf.compile(single_model, config=cfg)
     parallel = lf.compile(cp_model, mesh, config=cfg, checkpoint=policy)
@@ -54,11 +55,19 @@ def main():
     parallel.finalize(1.0)
     worst_clip = max(float((p.grad - q.grad).abs().max())
                      for p, q in zip(single_model.parameters(), cp_model.parameters()))
+    # The overlap pass only reorders: clipped gradients must be bit-identical without it.
+    no_overlap_model = build(kind)
+    no_overlap = lf.compile(no_overlap_model, mesh, config=cfg, checkpoint=policy)
+    no_overlap.parallel.overlap = False
+    no_overlap.accumulate(batches[dp_rank], batches[dp_rank])
+    no_overlap.finalize(1.0)
+    overlap_identical = all(torch.equal(p.grad, q.grad)
+                            for p, q in zip(no_overlap_model.parameters(), cp_model.parameters()))
     clipped = bool((parallel.last_norms > cfg.max_grad_norm).any())
     ref_loss = single_model(batches[dp_rank], batches[dp_rank]).sum()
     # Noise: same seed, σ > 0: the parallel engine must add exactly the single-process noise
     # (once per coordinate, not once per rank or per dp replica).
-    noisy = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=1.0, seed=7)
+    noisy = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=1.0, seed=7, per_sample_comm=comm)
     single = lf.compile(single_model, config=noisy)
     parallel = lf.compile(cp_model, mesh, config=noisy, checkpoint=policy)
     for b in batches:
@@ -69,7 +78,7 @@ def main():
     worst_noise = max(float((p.grad - q.grad).abs().max())
                       for p, q in zip(single_model.parameters(), cp_model.parameters()))
     noise_scale = float(single_model.lm.norm.weight.grad.std()) if kind == "llama" else float("nan")
-    result = {"vs_plain_cp": vs_plain_cp, "noisy": worst_noise, "noise_std": noise_scale, "per_sample": worst_ps, "clipped_sum": worst_clip, "clipped_something": clipped,
+    result = {"overlap_identical": overlap_identical, "vs_plain_cp": vs_plain_cp, "noisy": worst_noise, "noise_std": noise_scale, "per_sample": worst_ps, "clipped_sum": worst_clip, "clipped_something": clipped,
               "loss": abs(float(loss) - float(ref_loss)), "bytes": parallel.communication_bytes(),
               "rank": dist.get_rank()}
     if dist.get_rank() == 0:

@@ -14,9 +14,9 @@ import pytest
 WORKER = os.path.join(os.path.dirname(__file__), "cp_worker.py")
 
 
-def launch(cp, dp, kind, T=16, checkpoint=None):
+def launch(cp, dp, kind, T=16, checkpoint=None, comm="input_stationary"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp * dp}",
-           WORKER, str(cp), str(dp), kind, str(T)] + ([checkpoint] if checkpoint else [])
+           WORKER, str(cp), str(dp), kind, str(T), checkpoint or "none", comm]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -35,6 +35,7 @@ def test_matches_single_process(cp, dp, kind):
     assert r["noisy"] <= 1e-5              # same seed, same noise: added once, not per rank
     assert r["loss"] <= 1e-4
     assert r["bytes"]["reduce_scatter"] > 0
+    assert r["overlap_identical"]          # the overlap pass changes no bit
 
 
 @pytest.mark.slow
@@ -43,6 +44,13 @@ def test_checkpointed_context_parallel_matches_plain_single_process(kind, policy
     r = launch(2, 1, kind, checkpoint=policy)
     assert r["vs_plain_cp"] <= 1e-6  # checkpointed vs plain, both cp=2
     assert r["per_sample"] <= 1e-5 and r["clipped_sum"] <= 1e-6 and r["noisy"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_output_stationary_matches_single_process():
+    r = launch(2, 1, "llama", comm="output_stationary")
+    assert r["per_sample"] <= 1e-5 and r["clipped_sum"] <= 1e-5 and r["noisy"] <= 1e-5
+    assert r["bytes"]["all_gather"] > 0
 
 
 @pytest.mark.slow

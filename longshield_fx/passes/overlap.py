@@ -1,0 +1,158 @@
+"""The ``overlap`` pass: issue collectives early, wait late, so compute hides communication.
+
+Rewrites: the node ORDER only. Every functional collective (``_c10d_functional.*``) stays
+where ``shard_grads``/``clip`` put it, right after the per-sample einsum that produces its
+input (the input-stationary pattern of longshield.md section 3.2); its ``wait_tensor`` and
+the layout ops that read only the waited result are sunk to just before their first real
+consumer, so the backward data-gradient matmuls of earlier layers run while the
+reduce-scatter is in flight. The new order is a topological sort (networkx, on the
+graph's data edges) keyed by original position, waits keyed by their first consumer.
+
+Caps: at most ``max_in_flight`` collectives outstanding and at most ``max_pinned_bytes`` of
+their outputs pinned; when a new collective would exceed either, the oldest outstanding
+wait is moved up to just before it.
+
+Assumes: the graph is the same on every rank (it is: one capture of the same model).
+Guarantees: values are unchanged (only independent nodes move); collectives are issued in
+their original relative order, so every rank issues them in the same order;
+``verify_schedule`` holds afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from . import PassContext
+from ._graph import val
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+COLLECTIVES = {c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.all_gather_into_tensor.default}
+_LAYOUT = {aten.movedim.int, aten.view.default, aten.permute.default, aten.select.int, aten.unsqueeze.default}
+
+
+@dataclass(frozen=True)
+class OverlapLimits:
+    max_in_flight: int = 16
+    max_pinned_bytes: int = 2**40
+
+
+def overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Reorder so collectives overlap compute (see the module docstring)."""
+    limits = getattr(ctx, "overlap_limits", None) or OverlapLimits()
+    order = schedule(gm.graph, limits)
+    _apply(gm.graph, order)
+    gm.recompile()
+    verify_schedule(list(gm.graph.nodes), limits)
+    return gm
+
+
+def _deferred(graph: fx.Graph) -> set[fx.Node]:
+    """Waits, and layout ops reading only deferred nodes: they can move down together."""
+    out = set()
+    for node in graph.nodes:
+        if node.target == c10d.wait_tensor.default:
+            out.add(node)
+        elif node.target in _LAYOUT and node.all_input_nodes and all(i in out for i in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def schedule(graph: fx.Graph, limits: OverlapLimits) -> list[fx.Node]:
+    nodes = list(graph.nodes)
+    position = {n: float(i) for i, n in enumerate(nodes)}
+    deferred = _deferred(graph)
+    key = dict(position)
+    # A deferred node runs just before its first consumer (computed from the end).
+    for node in reversed(nodes):
+        if node in deferred and node.users:
+            key[node] = min(key[u] for u in node.users) - 1e-3
+    while True:
+        order = _topo_sort(nodes, key)
+        forced = _enforce_limits(order, limits)
+        if forced is None:
+            return order
+        wait, before = forced
+        key[wait] = key[before] - 1e-3  # its layout ops are views: they may stay late
+
+
+def _topo_sort(nodes, key) -> list[fx.Node]:
+    g = nx.DiGraph()
+    g.add_nodes_from(nodes)
+    for n in nodes:
+        for i in n.all_input_nodes:
+            g.add_edge(i, n)
+    return list(nx.lexicographical_topological_sort(g, key=lambda n: (key[n], n.name)))
+
+
+def _enforce_limits(order: list[fx.Node], limits: OverlapLimits):
+    """(oldest outstanding wait, collective it must precede) on the first violation, or None."""
+    outstanding: list[fx.Node] = []  # issue nodes in flight, oldest first
+    for node in order:
+        if node.target in COLLECTIVES:
+            pinned = sum(_nbytes(c) for c in outstanding) + _nbytes(node)
+            if outstanding and (len(outstanding) + 1 > limits.max_in_flight or pinned > limits.max_pinned_bytes):
+                return _wait_of(outstanding[0]), node
+            outstanding.append(node)
+        elif node.target == c10d.wait_tensor.default and node.args[0] in outstanding:
+            outstanding.remove(node.args[0])
+    return None
+
+
+def _wait_of(issue: fx.Node) -> fx.Node:
+    return next(u for u in issue.users if u.target == c10d.wait_tensor.default)
+
+
+def _nbytes(node: fx.Node) -> int:
+    v = val(node)
+    return 0 if v is None else v.numel() * v.element_size()
+
+
+def _apply(graph: fx.Graph, order: list[fx.Node]) -> None:
+    anchor = next(iter(graph.nodes))
+    for node in order[1:]:
+        anchor.append(node)  # moves node right after anchor
+        anchor = node
+
+
+class ScheduleError(AssertionError):
+    pass
+
+
+def collective_signature(order) -> list[tuple]:
+    """The sequence of collectives as every rank must issue them: (op, args other than data)."""
+    out = []
+    for node in order:
+        if node.target in COLLECTIVES:
+            shape = tuple(val(node.args[0]).shape) if val(node.args[0]) is not None else None
+            out.append((str(node.target), shape, tuple(a for a in node.args[1:] if not isinstance(a, fx.Node))))
+    return out
+
+
+def verify_schedule(order: list[fx.Node], limits: OverlapLimits = OverlapLimits(),
+                    other_ranks: list[list[fx.Node]] = ()) -> None:
+    """Check a node order: each wait after its issue, limits respected, same collectives as other ranks."""
+    seen = set()
+    outstanding: list[fx.Node] = []
+    for node in order:
+        if node.target == c10d.wait_tensor.default:
+            issue = node.args[0]
+            if issue.target in COLLECTIVES and issue not in seen:
+                raise ScheduleError(f"wait {node.name} comes before its collective {issue.name}")
+            if issue in outstanding:
+                outstanding.remove(issue)
+        if node.target in COLLECTIVES:
+            outstanding.append(node)
+            if len(outstanding) > limits.max_in_flight:
+                raise ScheduleError(f"{len(outstanding)} collectives in flight at {node.name} "
+                                    f"(cap {limits.max_in_flight})")
+            if len(outstanding) > 1 and sum(_nbytes(c) for c in outstanding) > limits.max_pinned_bytes:
+                raise ScheduleError(f"collectives in flight pin more than {limits.max_pinned_bytes} bytes at {node.name}")
+        seen.add(node)
+    mine = collective_signature(order)
+    for rank, theirs in enumerate(other_ranks):
+        if collective_signature(theirs) != mine:
+            raise ScheduleError(f"rank {rank + 1} issues collectives in a different order than rank 0")
