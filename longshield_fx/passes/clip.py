@@ -45,7 +45,6 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     mask = ctx.captured.cotangent_placeholder()
     b = GraphBuilder(graph, ctx.captured.fake_mode)
     rw = Rewriter(gm, ctx)
-    B = ctx.batch_size
     # Norms in the order the per-sample gradients become available: the last ones (the
     # first layer's, and under cp their reduce-scatters) get the most time to arrive.
     position = {n: i for i, n in enumerate(graph.nodes)}

@@ -28,7 +28,7 @@ from ..errors import UnsupportedModelError
 from ..runtime import ring_attention as _ring  # noqa: F401  (registers the ops)
 from . import PassContext
 from ._graph import GraphBuilder, module_of, val
-from .batch_dims import BatchDim, batch_dim, register_batch_rule
+from .batch_dims import batch_dim, register_batch_rule
 
 aten = torch.ops.aten
 ring_fwd = torch.ops.longshield.ring_attention.default

@@ -23,7 +23,6 @@ and the way out. Users add rules with ``longshield_fx.per_sample_rule(op)``.
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 
@@ -50,9 +49,6 @@ class PerSampleGrad:
     shape: tuple
     dense: fx.Node | None = None
     rows: tuple = ()
-
-    def __add__(self, other: "PerSampleGrad") -> "PerSampleGrad":
-        raise TypeError("use Rewriter.add: adding needs graph nodes")
 
 
 class Rewriter:
@@ -212,8 +208,7 @@ def _dense(rw: Rewriter, node: fx.Node, dense: fx.Node) -> PerSampleGrad:
 
 
 def _input_rep(rw: Rewriter, node: fx.Node, x: fx.Node) -> fx.Node:
-    g = rw.rep(x)
-    return rw.densify(g)
+    return rw.densify(rw.rep(x))
 
 
 @per_sample_rule(aten.mm.default, name="linear")
@@ -297,8 +292,7 @@ def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
         ids = rw.call(aten.expand.default, rw.call(aten.view.default, indices, [1, n]), [B, n])
     if padding_idx is not None and padding_idx >= 0:
         is_pad = rw.call(aten.unsqueeze.default, rw.call(aten.eq.Scalar, ids, padding_idx), 2)
-        values = rw.call(aten.where.ScalarOther, is_pad, values, 0.0) if False else \
-            rw.call(aten.mul.Tensor, values, rw.call(aten.logical_not.default, is_pad))
+        values = rw.call(aten.mul.Tensor, values, rw.call(aten.logical_not.default, is_pad))
     return PerSampleGrad(tuple(val(node).shape), None, ((ids, values),))
 
 

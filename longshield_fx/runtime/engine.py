@@ -11,7 +11,7 @@ import os
 import torch
 from torch import nn
 
-from ..capture import CapturedGraph, capture
+from ..capture import capture
 from ..config import DPConfig
 from ..errors import UnsupportedModelError
 from ..passes import PassContext, format_log, run_passes

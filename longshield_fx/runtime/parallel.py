@@ -11,7 +11,6 @@ With no mesh everything here is the identity. With a mesh (dims "cp" and optiona
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist

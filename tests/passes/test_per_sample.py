@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
 import longshield_fx as lf
