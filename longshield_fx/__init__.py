@@ -1,8 +1,9 @@
 """longshield_fx: differentially private training of long-context models by graph rewriting.
 
 Public API: ``compile``, ``DPConfig``, ``CausalLMLoss``, ``calibrate_noise``,
-``per_sample_rule`` and ``UnsupportedModelError``.
+``per_sample_rule``, ``UnsupportedModelError`` and ``data.PoissonBatches``.
 """
+from . import data
 from .api import compile
 from .capture import capture
 from .config import DPConfig
