@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-files", type=nonneg_int, default=400,
                    help="stdlib .py files read (sorted by path) for the corpus; 0 reads all")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where the model and the compiled step run")
+                   help="where the model and the compiled step run (cuda: NCCL under torchrun; the passes do "
+                   "not yet have batch rules for the CUDA attention kernels, so capture stops with a clear error)")
     t.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default: runs/train, or the --resume directory)")
     t.add_argument("--save-every", type=nonneg_int, default=25, metavar="K",
@@ -184,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--block", default="layers.0", metavar="PATH",
                    help="module path of the block to draw (matched as a dotted component sequence)")
     i.add_argument("--svg-backend", choices=["auto", "graphviz", "builtin"], default="auto",
-                   help="graphviz: torch.fx's FxGraphDrawer (needs pydot and dot); builtin: a dependency-free "
-                   "layered layout; auto: graphviz when available")
+                   help="graphviz: laid out by graphviz's dot program (apt-get install graphviz); builtin: a "
+                   "dependency-free layered layout; auto: graphviz when dot is on PATH, else builtin")
     i.add_argument("--out", default="runs/inspect", metavar="DIR", help="where the SVG and graph code go")
     i.set_defaults(func=inspect)
     return parser
@@ -412,6 +413,7 @@ def train(args) -> int:
     import torch.distributed as dist
 
     import longshield_fx as lf
+
     from .data import PoissonBatches
 
     if args.steps < 1:
@@ -606,17 +608,20 @@ def _is_collective(node) -> bool:
         (t.startswith("_c10d_functional.") and "wait_tensor" not in t) or t.startswith("longshield.ring_attention"))
 
 
-def collective_bytes(node, cp: int) -> int:
-    """Bytes one collective node moves (the convention of ``Engine.communication_bytes``)."""
-    vals = [a.meta.get("val") for a in node.args if isinstance(a, torch.fx.Node)]
-    nbytes = [v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0 for v in vals]
-    t = str(node.target)
-    if t.startswith("longshield.ring_attention_backward"):
-        k, v = vals[2], vals[3]
-        return (cp - 1) * (nbytes[2] + nbytes[3]) + cp * 4 * (k.numel() + v.numel())
-    if t.startswith("longshield.ring_attention"):
-        return (cp - 1) * (nbytes[1] + nbytes[2])
-    return nbytes[0] if nbytes else 0
+def collective_bytes(engine, node) -> int:
+    """Bytes one collective node moves, by ``Engine.communication_bytes``'s own convention: the
+    engine's counter is run on a one-node graph holding just this node (and its inputs' metadata)."""
+    import types
+
+    from torch import fx
+
+    g = fx.Graph()
+    env = {}
+    for a in node.all_input_nodes:
+        env[a] = g.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    g.node_copy(node, lambda a: env[a])
+    return sum(engine.parallel.communication_bytes(types.SimpleNamespace(graph=g)).values())
 
 
 def _block_pattern(block: str):
@@ -646,7 +651,7 @@ def block_nodes(gm, block: str) -> list:
 def block_graph_module(gm, nodes):
     """A stand-alone GraphModule of ``nodes``: outside inputs become placeholders, values used
     outside become outputs."""
-    import torch.fx as fx
+    from torch import fx
 
     chosen = set(nodes)
     g = fx.Graph()
@@ -703,7 +708,7 @@ def inspect_report(engine, captured, gm, ctx, *, header: str, cp: int, dp: int) 
     for name in captured.param_names:
         shard = ctx.shard_dims.get(name)
         shard_txt = "-" if cp == 1 else ("replicated" if shard is None else f"dim {shard}")
-        lines.append(f"  {name:<{nw}}  {ctx.rules_used.get(name, '?'):<10} {str(list(shapes.get(name, ()))):<14} {shard_txt}")
+        lines.append(f"  {name:<{nw}}  {ctx.rules_used.get(name, '?'):<10} {list(shapes.get(name, ()))!s:<14} {shard_txt}")
     lines.append("collectives in the graph (bytes per physical batch):")
     totals = engine.communication_bytes()
     colls = [n for n in gm.graph.nodes if _is_collective(n)]
@@ -713,9 +718,10 @@ def inspect_report(engine, captured, gm, ctx, *, header: str, cp: int, dp: int) 
         lines.append("  totals: " + ", ".join(f"{k} {v:,} B ({_fmt_bytes(v)})" for k, v in totals.items()))
         for n in colls:
             v = next((a.meta.get("val") for a in n.args if isinstance(a, torch.fx.Node)), None)
-            shape = f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}" if isinstance(v, torch.Tensor) else "?"
+            shape = (f"{str(v.dtype).replace('torch.', '')}[{','.join(map(str, v.shape))}]"
+                     if isinstance(v, torch.Tensor) else "?")
             op = str(n.target).split(".")[1]
-            lines.append(f"  {n.name:<42} {op:<28} {shape:<22} {collective_bytes(n, cp):>10,} B")
+            lines.append(f"  {n.name:<42} {op:<28} {shape:<22} {collective_bytes(engine, n):>10,} B")
     if cp > 1 or dp > 1:
         gathered = sum(p.numel() * 4 for n, p in engine.model.named_parameters()
                        if ctx.shard_dims.get(n) is not None)

@@ -12,7 +12,7 @@ import html
 import math
 from pathlib import Path
 
-import torch.fx as fx
+from torch import fx
 
 
 def loss_vs_epsilon(rows: list[dict], path: str | Path, title: str = "") -> Path:
@@ -106,10 +106,10 @@ def builtin_svg(graph: fx.Graph, title: str = "") -> str:
             x += w + col_gap
         width = max(width, x)
     height = margin * 2 + 30 + (max(rows) + 1 if rows else 0) * (box_h + row_gap)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + margin:.0f}" height="{height:.0f}" '
-           f'font-family="monospace" font-size="11">',
-           '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" markerHeight="6" '
-           'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#555"/></marker></defs>',
+    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + margin:.0f}" height="{height:.0f}" '
+           f'font-family="monospace" font-size="11">'),
+           ('<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" markerHeight="6" '
+           'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#555"/></marker></defs>'),
            f'<text x="{margin}" y="{margin + 8}" font-size="14">{html.escape(title)}</text>']
     for n in nodes:
         x1, y1, w1 = pos[n]
@@ -157,7 +157,8 @@ def graphviz_svg(graph: fx.Graph, title: str = "") -> str:
     dot = shutil.which("dot")
     if dot is None:
         raise RuntimeError("graphviz's dot program is not on PATH")
-    res = subprocess.run([dot, "-Tsvg"], input=to_dot(graph, title), capture_output=True, text=True, timeout=300)
+    res = subprocess.run([dot, "-Tsvg"], input=to_dot(graph, title), capture_output=True, text=True, timeout=300,
+                         check=False)
     if res.returncode != 0 or "<svg" not in res.stdout:
         raise RuntimeError(f"dot failed: {' '.join(res.stderr.split())[:300]}")
     return res.stdout
@@ -175,7 +176,7 @@ def graph_svg(gm: fx.GraphModule, path: str | Path, title: str = "", backend: st
     if backend in ("auto", "graphviz"):
         try:
             text, used = graphviz_svg(gm.graph, title), "graphviz"
-        except Exception as e:  # noqa: BLE001 - any failure of the optional path falls back
+        except Exception as e:
             if backend == "graphviz":
                 raise RuntimeError(f"cannot draw with graphviz ({e}); install graphviz (apt-get install graphviz), "
                                    "or use --svg-backend builtin") from e
