@@ -188,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graphviz: laid out by graphviz's dot program (apt-get install graphviz); builtin: a "
                    "dependency-free layered layout; auto: graphviz when dot is on PATH, else builtin")
     i.add_argument("--out", default="runs/inspect", metavar="DIR", help="where the SVG and graph code go")
+    i.add_argument("--memory", action="store_true",
+                   help="print the liveness memory estimate of the training graph (peak and the tensors making it)")
+    i.add_argument("--timeline", choices=["H100-NVLink", "H100-IB", "CPU-gloo"], nargs="?", const="H100-NVLink",
+                   default=None, help="draw the cost-model compute/communication timeline for this hardware to "
+                   "timeline.png in --out and print the exposed communication")
     i.set_defaults(func=inspect)
     return parser
 
@@ -761,6 +766,10 @@ def inspect(args) -> int:
     header = (f"{model_name}: {n_params:,} parameters; batch ({args.physical_batch_size}, {args.seq_len}); {where}; "
               f"checkpointing {args.checkpoint}; {args.clipping} clipping")
     _say(inspect_report(engine, captured, gm, ctx, header=header, cp=args.cp, dp=dp))
+    if args.memory:
+        from .memory import estimate_memory
+
+        _say(estimate_memory(gm).format())
 
     if _RANK == 0:
         from .plots import graph_svg
@@ -778,6 +787,15 @@ def inspect(args) -> int:
         svg = out / f"block_{args.block.replace('/', '_')}.svg"
         backend = graph_svg(block_graph_module(gm, nodes), svg, title=f"{model_name}: {args.block} (rewritten)",
                             backend=args.svg_backend)
+        if args.timeline:
+            from .cost_model import HARDWARE, draw_timeline, simulate
+
+            timeline = simulate(gm, HARDWARE[args.timeline])
+            draw_timeline(timeline, str(out / "timeline.png"), f"{model_name}, cp={args.cp}, {args.timeline}: "
+                          f"exposed communication {timeline.exposed_comm * 1e3:.3f} of {timeline.comm * 1e3:.3f} ms")
+            _say(f"timeline ({args.timeline}, cost model): step {timeline.total * 1e3:.3f} ms, communication "
+                 f"{timeline.comm * 1e3:.3f} ms of which exposed {timeline.exposed_comm * 1e3:.3f} ms -> "
+                 f"{out / 'timeline.png'}")
         _say(f"block {args.block}: {len(nodes)} nodes ({kinds['forward']} forward, {kinds['backward']} backward, "
              f"{kinds['inserted']} inserted by passes) -> {svg} ({backend}, {svg.stat().st_size:,} bytes); "
              f"whole graph code -> {out / 'training_graph.py'}")

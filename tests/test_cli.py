@@ -343,3 +343,13 @@ def test_python_m_is_the_console_script(tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])
     assert e.value.code == 0
+
+
+def test_inspect_memory_and_timeline(tmp_path, capsys):
+    assert cli.main(["inspect", "-T", "32", "--out", str(tmp_path), "--svg-backend", "builtin",
+                     "--memory", "--timeline", "CPU-gloo"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"peak [\d.]+ MiB of intermediates at \w+", out)
+    assert "largest tensors live at the peak" in out
+    assert "timeline (CPU-gloo, cost model)" in out
+    assert (tmp_path / "timeline.png").stat().st_size > 0
