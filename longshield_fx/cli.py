@@ -123,7 +123,10 @@ def _model_args(p, seq_len_default):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.replace("``", ""), formatter_class=_Formatter,
                      epilog="Errors print one line; set LONGSHIELD_FX_DEBUG=1 for the traceback.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,inspect}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,inspect,plan}")
+    # Listed for --help; `plan` has its own parser (longshield_fx.plan), dispatched in main().
+    sub.add_parser("plan", add_help=False,
+                   help="predict the longest context that fits on N GPUs (see `longshield-fx plan --help`)")
 
     t = sub.add_parser(
         "train", formatter_class=_Formatter, prog=f"{PROG} train",
@@ -810,6 +813,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        from .plan import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     prefix = f"{PROG} {args.command}"
     try:
