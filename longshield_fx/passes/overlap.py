@@ -19,6 +19,7 @@ their original relative order, so every rank issues them in the same order;
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import networkx as nx
@@ -62,44 +63,52 @@ def _deferred(graph: fx.Graph) -> set[fx.Node]:
 
 
 def schedule(graph: fx.Graph, limits: OverlapLimits) -> list[fx.Node]:
+    """List scheduling on the data-edge DAG: ready nodes run in key order, where a node's key
+    is its original position, and a deferred node's key is just before its first consumer's.
+
+    Before issuing a collective that would exceed the caps, the oldest outstanding wait is
+    run first (it is always ready: it depends only on its collective).
+    """
     nodes = list(graph.nodes)
-    position = {n: float(i) for i, n in enumerate(nodes)}
     deferred = _deferred(graph)
-    key = dict(position)
-    # A deferred node runs just before its first consumer (computed from the end).
-    for node in reversed(nodes):
+    key = {n: float(i) for i, n in enumerate(nodes)}
+    for node in reversed(nodes):  # a deferred node runs just before its first consumer
         if node in deferred and node.users:
             key[node] = min(key[u] for u in node.users) - 1e-3
-    while True:
-        order = _topo_sort(nodes, key)
-        forced = _enforce_limits(order, limits)
-        if forced is None:
-            return order
-        wait, before = forced
-        key[wait] = key[before] - 1e-3  # its layout ops are views: they may stay late
+    dag = nx.DiGraph()
+    dag.add_nodes_from(nodes)
+    dag.add_edges_from((i, n) for n in nodes for i in n.all_input_nodes)
+    missing = {n: dag.in_degree(n) for n in nodes}
+    ready = [(key[n], i, n) for i, n in enumerate(nodes) if missing[n] == 0]
+    heapq.heapify(ready)
+    index = {n: i for i, n in enumerate(nodes)}
+    order: list[fx.Node] = []
+    done: set[fx.Node] = set()
+    outstanding: list[fx.Node] = []  # collectives issued and not yet waited, oldest first
 
-
-def _topo_sort(nodes, key) -> list[fx.Node]:
-    g = nx.DiGraph()
-    g.add_nodes_from(nodes)
-    for n in nodes:
-        for i in n.all_input_nodes:
-            g.add_edge(i, n)
-    return list(nx.lexicographical_topological_sort(g, key=lambda n: (key[n], n.name)))
-
-
-def _enforce_limits(order: list[fx.Node], limits: OverlapLimits):
-    """(oldest outstanding wait, collective it must precede) on the first violation, or None."""
-    outstanding: list[fx.Node] = []  # issue nodes in flight, oldest first
-    for node in order:
+    def emit(node):
+        order.append(node)
+        done.add(node)
         if node.target in COLLECTIVES:
-            pinned = sum(_nbytes(c) for c in outstanding) + _nbytes(node)
-            if outstanding and (len(outstanding) + 1 > limits.max_in_flight or pinned > limits.max_pinned_bytes):
-                return _wait_of(outstanding[0]), node
             outstanding.append(node)
         elif node.target == c10d.wait_tensor.default and node.args[0] in outstanding:
             outstanding.remove(node.args[0])
-    return None
+        for user in dag.successors(node):
+            missing[user] -= 1
+            if missing[user] == 0:
+                heapq.heappush(ready, (key[user], index[user], user))
+
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        if node in done:
+            continue
+        if node.target in COLLECTIVES:
+            while outstanding and (len(outstanding) + 1 > limits.max_in_flight or
+                                   sum(map(_nbytes, outstanding)) + _nbytes(node) > limits.max_pinned_bytes):
+                emit(_wait_of(outstanding[0]))  # ready: its only input is the collective
+        emit(node)
+    assert len(order) == len(nodes), "overlap: the graph has a cycle"
+    return order
 
 
 def _wait_of(issue: fx.Node) -> fx.Node:
