@@ -12,18 +12,23 @@ B in {1, 2, 4}. Methods (one training step each: forward, backward, [clip, noise
   opacus_ghost (e) Opacus ghost clipping ``make_private(grad_sample_mode="ghost")``, flat, C=1
   vmap         (f) torch.func ``vmap(grad(...))`` per-sample gradients, manual flat clip + noise
 
-Each (method, T, B) runs in a fresh process: warm-up step(s) (capture, optimizer state), one
-step under ``PeakRSS`` (peak resident memory of that step above the level before it; it
-includes the step's own gradient and clipping allocations but not the model, the optimizer
-state or the inputs), then the median of up to REPEATS timed steps (fewer when one step takes
-longer than STEP_BUDGET / REPEATS seconds). Configurations are interleaved: for each (T, B)
-every method runs back to back (methods innermost; with ``--rounds R`` the whole sweep repeats
-R times, rounds outermost, and the median over rounds is reported), so machine drift hits all
-methods alike. A method that fails (error, out of memory under the per-process address-space
-limit, timeout) is reported with its reason and the sweep goes on.
+Each (method, T, B) runs in a fresh process: one warm-up step (capture, optimizer state), one
+step under ``PeakRSS`` (peak resident memory of that step above the level before it: the step's
+activations, gradients and clipping buffers, not the model, the optimizer state or the inputs;
+64 KiB mmap threshold so RSS follows live memory), then the median of up to REPEATS timed steps
+with glibc's steady-state malloc thresholds after a re-warm step (see ``worker`` for why and for
+the flags "r"/"p" of configurations whose time budget was short). The sweep has a time budget
+(``--time-budget``, with the process start-ups on top of the steps), shared among the
+configurations by expected cost; a configuration with a short share gets fewer timed steps (at
+least one). Configurations are interleaved: for each (T, B) every method runs back to back
+(methods innermost; ``--rounds R`` repeats the whole sweep, rounds outermost, and reports the
+median over rounds), so machine drift hits all methods alike. A method that fails (error, out
+of memory under the per-process address-space limit, timeout) is reported with its reason and
+the sweep goes on. The load average is printed: on a shared machine, re-run when it is well
+above 0 (with 2 threads on 2 cores, one other busy process can slow a step several-fold).
 
     python benchmarks/step_overhead.py [--repeats 3] [--seq-lens 256 1024 4096] [--batch-sizes 1 2 4]
-        [--methods ...] [--rounds 1] [--step-budget 20] [--mem-limit-gb 12] [--timeout 300]
+        [--methods ...] [--rounds 1] [--time-budget 1080] [--mem-limit-gb 12] [--timeout 480]
 
 Writes benchmarks/results/step_overhead.md (the table) and step_overhead.png (the ratios).
 """
@@ -46,7 +51,7 @@ LABELS = {
     "eager": "(a) eager",
     "captured": "(b) captured, no DP",
     "dp": "(c) longshield DP",
-    "dp_block": "(c) longshield DP, block ckpt",
+    "dp_block": "(c') longshield DP, block ckpt",
     "opacus_hooks": "(d) Opacus hooks",
     "opacus_ghost": "(e) Opacus ghost",
     "vmap": "(f) vmap(grad)",
@@ -193,35 +198,77 @@ def make_step(method: str, T: int, B: int):
     raise ValueError(f"unknown method {method!r}")
 
 
-def worker(method: str, T: int, B: int, repeats: int, step_budget: float, mem_limit_gb: float) -> dict:
+def _malloc(mmap_threshold: int, trim_threshold: int) -> None:
+    """Set glibc's mmap and trim thresholds from now on (no-op without glibc)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, trim_threshold)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def worker(method: str, T: int, B: int, repeats: int, budget: float, mem_limit_gb: float, threads: int) -> dict:
+    """Warm-up step, peak-memory step, then timed steps while ``budget`` seconds allow.
+
+    ``budget`` counts from the end of the warm-up step (capture is a one-time cost).
+
+    Memory: the process starts with ``fresh_process``'s 64 KiB mmap threshold, so freed tensors
+    go back to the OS and RSS follows live memory; the peak step is the second step.
+
+    Time: a 64 KiB threshold costs a page fault per new tensor page (at T=256 it doubles a
+    longshield step and adds half to an eager one), which a long training run does not pay:
+    glibc's dynamic thresholds settle at mmap 32 MiB / trim 64 MiB and tensors come from a warm
+    heap. So the timed steps run with those thresholds, after one untimed re-warm step that
+    grows the heap. When the budget is short (slow steps), the re-warm is skipped (flag "r":
+    the one timed step also grows the heap, a few per cent at T=4096), and when it cannot fit
+    a single further step the peak step's own time is reported (flag "p").
+    """
     if mem_limit_gb > 0:  # an allocation beyond this fails in this process (reported as OOM)
         import resource
         limit = int(mem_limit_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     import torch
 
+    if threads > 0:
+        torch.set_num_threads(threads)
     step = make_step(method, T, B)
+    t0 = time.perf_counter()
+    step()  # warm-up: capture / compilation, optimizer state (not counted in the budget)
+    first = time.perf_counter() - t0
     start = time.perf_counter()
-    step()  # warm-up: capture / compilation, optimizer state
-    first = time.perf_counter() - start
     with PeakRSS() as peak:
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         step()
-        second = time.perf_counter() - start
-    n = max(1, min(repeats, math.floor(step_budget / max(second, 1e-9))))
-    times = timed(step, n)
-    return {"time": median(times), "times": times, "peak": peak.bytes, "first": first,
-            "threads": torch.get_num_threads()}
+        est = time.perf_counter() - t0
+
+    def left():
+        return budget - (time.perf_counter() - start)
+
+    _malloc(32 << 20, 64 << 20)
+    flag = ""
+    if left() >= 2 * est or est < 1.0:
+        step()  # re-warm: grow the heap to the step's working set
+    elif left() >= est:
+        flag = "r"
+    else:
+        flag = "p"
+    times = [est] if flag == "p" else timed(step, 1)
+    while not flag and len(times) < repeats and left() >= max(times):
+        times += timed(step, 1)
+    return {"time": median(times), "times": times, "flag": flag, "peak": peak.bytes, "first": first,
+            "steps_s": time.perf_counter() - start, "threads": torch.get_num_threads()}
 
 
 # --- driver -------------------------------------------------------------------------------
 
-def run_one(method, T, B, args) -> dict:
+def run_one(method, T, B, budget, args) -> dict:
     try:
-        r = fresh_process(__file__, method, str(T), str(B), str(args.repeats), str(args.step_budget),
-                          str(args.mem_limit_gb), timeout=args.timeout)
+        r = fresh_process(__file__, method, str(T), str(B), str(args.repeats), f"{budget:.1f}",
+                          str(args.mem_limit_gb), str(args.threads), timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timeout (> {args.timeout} s for warm-up + steps)"}
+        return {"error": f"timeout (> {args.timeout} s in one process)"}
     if "error" in r:
         e = r["error"]
         if "can't allocate memory" in e or "MemoryError" in e or "out of memory" in e.lower():
@@ -229,18 +276,25 @@ def run_one(method, T, B, args) -> dict:
     return r
 
 
+def cost_weight(T: int, B: int) -> float:
+    """Relative step cost: linear in tokens plus causal attention's T^2 (about half at T=4096)."""
+    return T * B * (1 + T / 4096)
+
+
 def combine(rounds: list[dict]) -> dict:
     ok = [r for r in rounds if "error" not in r]
     if not ok:
         return rounds[-1]
     return {"time": median([r["time"] for r in ok]), "peak": median([r["peak"] for r in ok]),
-            "n": sum(len(r["times"]) for r in ok), "first": median([r["first"] for r in ok])}
+            "n": sum(len(r["times"]) for r in ok), "first": median([r["first"] for r in ok]),
+            "flag": "".join(sorted({r.get("flag", "") for r in ok}))}
 
 
 def fmt_table(results, seq_lens, batch_sizes, methods) -> str:
     head = ["T", "B"]
     for m in methods:
-        head += [f"{LABELS[m]} s", "×(a)", "MiB", "×(a)"]
+        k = LABELS[m].split()[0]
+        head += [f"{k} s", f"{k} t×", f"{k} MiB", f"{k} m×"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for T in seq_lens:
         for B in batch_sizes:
@@ -253,7 +307,7 @@ def fmt_table(results, seq_lens, batch_sizes, methods) -> str:
                     continue
                 t_ratio = f"{r['time'] / base['time']:.2f}" if "error" not in base else ""
                 m_ratio = f"{r['peak'] / base['peak']:.2f}" if "error" not in base and base["peak"] > 0 else ""
-                row += [f"{r['time']:.3f}", t_ratio, f"{r['peak'] / 2**20:.0f}", m_ratio]
+                row += [f"{r['time']:.3f}{r['flag']}", t_ratio, f"{r['peak'] / 2**20:.0f}", m_ratio]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -297,37 +351,60 @@ def plot(results, seq_lens, batch_sizes, methods, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (at most)")
-    parser.add_argument("--step-budget", type=float, default=20.0,
-                        help="seconds of timed steps per configuration; slower methods get fewer repeats")
+    parser.add_argument("--time-budget", type=float, default=1080.0,
+                        help="seconds for the whole sweep; shared among configurations by expected cost "
+                             "(each gets at least warm-up + 1 timed + 1 peak-memory step)")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--min-budget", type=float, default=2.0,
+                        help="seconds of steps any configuration may use (cheap ones get their repeats)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the whole interleaved sweep")
     parser.add_argument("--mem-limit-gb", type=float, default=12.0, help="address-space limit per worker")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per worker process")
+    parser.add_argument("--timeout", type=int, default=480, help="seconds per worker process")
     parser.add_argument("--out", default=RESULTS)
-    parser.add_argument("--worker", nargs=6, metavar=("METHOD", "T", "B", "REPEATS", "BUDGET", "MEM_GB"))
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per worker (0: torch's default, one per core)")
+    parser.add_argument("--worker", nargs=7, metavar=("METHOD", "T", "B", "REPEATS", "BUDGET", "MEM_GB", "THREADS"))
     args = parser.parse_args()
     if args.worker:
-        method, T, B, repeats, budget, mem = args.worker
-        print(json.dumps(worker(method, int(T), int(B), int(repeats), float(budget), float(mem))))
+        method, T, B, repeats, budget, mem, threads = args.worker
+        print(json.dumps(worker(method, int(T), int(B), int(repeats), float(budget), float(mem), int(threads))))
         return
 
-    methods = ["eager"] + [m for m in args.methods if m != "eager"]  # ratios need (a)
+    methods = [m for m in METHODS if m in args.methods or m == "eager"]  # ratios need (a)
+    # Run order: the headline pair eager / dp back to back, then the rest.
+    run_order = ["eager"] + [m for m in ("dp", "dp_block", "captured") if m in methods]
+    run_order += [m for m in methods if m not in run_order]
     load_before = os.getloadavg()
+    loads = []
     start = time.perf_counter()
+    deadline = start + args.time_budget
+    overhead = 6.0  # seconds per process outside its steps (imports, model, exit); updated as we go
+    overheads = []
+    # Interleaved: rounds outermost, methods innermost, so the methods of one (T, B) run back to back.
+    plan = [(rnd, T, B, m) for rnd in range(args.rounds) for T in args.seq_lens
+            for B in args.batch_sizes for m in run_order]
     raw = {(T, B): {m: [] for m in methods} for T in args.seq_lens for B in args.batch_sizes}
-    for rnd in range(args.rounds):
-        for T in args.seq_lens:
-            for B in args.batch_sizes:
-                for m in methods:  # methods innermost: adjacent in time
-                    t0 = time.perf_counter()
-                    r = run_one(m, T, B, args)
-                    raw[(T, B)][m].append(r)
-                    status = r["error"] if "error" in r else f"{r['time']:.3f} s, {r['peak'] / 2**20:.0f} MiB"
-                    print(f"[round {rnd + 1} {time.perf_counter() - start:6.0f}s] T={T} B={B} {m}: {status} "
-                          f"(process {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.2f})",
-                          file=sys.stderr, flush=True)
+    for i, (rnd, T, B, m) in enumerate(plan):
+        # This process's share of what is left of the time budget, by its expected step cost;
+        # the worker always runs warm-up + 1 timed + 1 peak step, and more timed steps if it fits.
+        rest = plan[i:]
+        avail = deadline - time.perf_counter() - overhead * len(rest)
+        budget = max(0.0, avail) * cost_weight(T, B) / sum(cost_weight(t, b) for _, t, b, _ in rest)
+        budget = max(budget, args.min_budget)
+        t0 = time.perf_counter()
+        r = run_one(m, T, B, budget, args)
+        wall = time.perf_counter() - t0
+        raw[(T, B)][m].append(r)
+        if "steps_s" in r:
+            overheads.append(wall - r["steps_s"])
+            overhead = median(overheads)
+        loads.append(os.getloadavg()[0])
+        status = r["error"] if "error" in r else (f"{r['time']:.3f}{r['flag']} s x{len(r['times'])}, "
+                                                 f"{r['peak'] / 2**20:.0f} MiB")
+        print(f"[{time.perf_counter() - start:5.0f} s] round {rnd + 1} T={T} B={B} {m}: {status} "
+              f"(process {wall:.0f} s, budget {budget:.0f} s, load {loads[-1]:.2f})", file=sys.stderr, flush=True)
     total = time.perf_counter() - start
     load_after = os.getloadavg()
     results = {k: {m: combine(v) for m, v in per.items()} for k, per in raw.items()}
@@ -335,22 +412,48 @@ def main():
     import torch
     table = fmt_table(results, args.seq_lens, args.batch_sizes, methods)
     repeats_used = sorted({r["n"] for per in results.values() for r in per.values() if "n" in r})
+    threads_used = sorted({r["threads"] for per in raw.values() for rs in per.values() for r in rs
+                           if "threads" in r}) or ["?"]
+    threads_used = "/".join(map(str, threads_used))
+    headline = []
+    for T, B in [(4096, 1)] if (4096, 1) in results else []:
+        row, base = results[(T, B)], results[(T, B)]["eager"]
+        if "error" in base:
+            break
+        for m in ("dp", "dp_block"):
+            if m in row and "error" not in row[m]:
+                headline.append(f"- T={T}, B={B}: {LABELS[m]} / (a): time ×{row[m]['time'] / base['time']:.2f} "
+                                f"(target ≤ 1.15), peak memory ×{row[m]['peak'] / base['peak']:.2f} (target ≤ 1.10).")
+        for m in ("opacus_hooks", "opacus_ghost"):
+            if m in row:
+                r = row[m]
+                headline.append(f"- T={T}, B={B}: {LABELS[m]} / (a): " + (
+                    f"failed ({r['error']})" if "error" in r else
+                    f"time ×{r['time'] / base['time']:.2f}, peak memory ×{r['peak'] / base['peak']:.2f}"))
+    legend = "; ".join(f"{LABELS[m].split()[0]} = {' '.join(LABELS[m].split()[1:])}" for m in methods)
     summary = [
         "# Step overhead of DP training (CPU)",
         "",
         f"`python benchmarks/step_overhead.py {' '.join(sys.argv[1:])}`".replace("  ", " "),
         "",
         f"Reference Llama `small` (vocab 256, 4 layers, dim 256, GQA 8/2) + `CausalLMLoss`, AdamW, "
-        f"flat clipping C={C}, σ={SIGMA}. Each cell: median step seconds, ratio to (a), peak MiB of one "
-        "step above the pre-step RSS (fresh process per configuration), ratio to (a). Methods run "
-        f"interleaved (methods innermost, {args.rounds} round(s)); timed steps per cell: "
-        f"{repeats_used} (at most {args.repeats} × rounds, fewer when a step is slower than "
-        f"{args.step_budget:g} s / {args.repeats}).",
+        f"DP methods flat clipping C={C}, σ={SIGMA}. Methods: {legend}. Per method: median step seconds "
+        "(`s`), its ratio to (a) (`t×`), peak MiB of one step above the pre-step RSS (`MiB`), its ratio "
+        "to (a) (`m×`). A fresh process per cell; methods run interleaved (methods innermost, "
+        f"{args.rounds} round(s)); {repeats_used[0] if repeats_used else 0}–{repeats_used[-1] if repeats_used else 0} "
+        f"timed steps per cell (at most {args.repeats} per round, fewer where the {args.time_budget:.0f} s "
+        "budget ran short) after a warm-up and a peak-memory step. Timed steps use glibc's steady-state "
+        "malloc thresholds after a re-warm step; `r` = no re-warm step (budget short), `p` = the time of "
+        "the peak-memory step (64 KiB mmap threshold) is reported.",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads. Load average (1/5/15 min) before: "
-        f"{' / '.join(f'{x:.2f}' for x in load_before)}, after: {' / '.join(f'{x:.2f}' for x in load_after)}.",
+        f"{torch.__version__}, {threads_used} torch threads per worker. Load average (1/5/15 min) before: "
+        f"{' / '.join(f'{x:.2f}' for x in load_before)}, after: {' / '.join(f'{x:.2f}' for x in load_after)}; "
+        f"1-min load after each cell: median {median(loads):.2f}, max {max(loads):.2f} "
+        "(above ~0.5, other processes share the 2 cores and the timings are disturbed).",
         f"Total wall time: {total:.0f} s ({total / 60:.1f} min).",
+        "",
+        *headline,
         "",
         table,
         "",
