@@ -42,6 +42,24 @@ class PeakRSS:
         self.bytes = self.peak - self.base
 
 
+def steady_state_malloc() -> None:
+    """Switch glibc to the mmap / trim thresholds (32 / 64 MiB) its dynamic tuning settles at.
+
+    ``fresh_process`` starts workers with a 64 KiB mmap threshold so that RSS follows live
+    memory for ``PeakRSS``; but then every new tensor page is a page fault, which a long
+    training run does not pay and which penalises whichever configuration allocates more
+    (recomputation most of all). Time steps after calling this and one untimed step that grows
+    the heap. No-op without glibc.
+    """
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def timed(fn, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):

@@ -25,7 +25,8 @@ least one). Configurations are interleaved: for each (T, B) every method runs ba
 median over rounds), so machine drift hits all methods alike. A method that fails (error, out
 of memory under the per-process address-space limit, timeout) is reported with its reason and
 the sweep goes on. The load average is printed: on a shared machine, re-run when it is well
-above 0 (with 2 threads on 2 cores, one other busy process can slow a step several-fold).
+above 2 (the worker's own threads; with 2 threads on 2 cores, one other busy process can slow
+a step several-fold).
 
     python benchmarks/step_overhead.py [--repeats 3] [--seq-lens 256 1024 4096] [--batch-sizes 1 2 4]
         [--methods ...] [--rounds 1] [--time-budget 1080] [--mem-limit-gb 12] [--timeout 480]
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import subprocess
@@ -44,7 +44,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _measure import PeakRSS, fresh_process, median, timed  # noqa: E402
+from _measure import PeakRSS, fresh_process, median, steady_state_malloc, timed  # noqa: E402
 
 METHODS = ["eager", "captured", "dp", "dp_block", "opacus_hooks", "opacus_ghost", "vmap"]
 LABELS = {
@@ -198,17 +198,6 @@ def make_step(method: str, T: int, B: int):
     raise ValueError(f"unknown method {method!r}")
 
 
-def _malloc(mmap_threshold: int, trim_threshold: int) -> None:
-    """Set glibc's mmap and trim thresholds from now on (no-op without glibc)."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, trim_threshold)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def worker(method: str, T: int, B: int, repeats: int, budget: float, mem_limit_gb: float, threads: int) -> dict:
     """Warm-up step, peak-memory step, then timed steps while ``budget`` seconds allow.
 
@@ -246,7 +235,7 @@ def worker(method: str, T: int, B: int, repeats: int, budget: float, mem_limit_g
     def left():
         return budget - (time.perf_counter() - start)
 
-    _malloc(32 << 20, 64 << 20)
+    steady_state_malloc()
     flag = ""
     if left() >= 2 * est or est < 1.0:
         step()  # re-warm: grow the heap to the step's working set
@@ -316,6 +305,7 @@ def plot(results, seq_lens, batch_sizes, methods, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     keys = [(T, B) for T in seq_lens for B in batch_sizes]
     others = [m for m in methods if m != "eager"]
@@ -324,26 +314,34 @@ def plot(results, seq_lens, batch_sizes, methods, path):
     for ax, field, title in ((axes[0], "time", "median step time / eager (a)"),
                              (axes[1], "peak", "peak step RSS / eager (a)")):
         for i, m in enumerate(others):
-            xs, ys, fails = [], [], []
+            bars, fails = [], []
             for j, k in enumerate(keys):
                 r, base = results[k][m], results[k].get("eager", {"error": "not run"})
                 x = j + (i - (len(others) - 1) / 2) * width
                 if "error" in r or "error" in base or base[field] <= 0:
                     fails.append(x)
-                    continue
-                xs.append(x)
-                ys.append(r[field] / base[field])
-            ax.bar(xs, ys, width, label=LABELS[m], color=f"C{i}")
+                else:
+                    bars.append((x, r[field] / base[field], field == "time" and bool(r.get("flag"))))
+            # Bars grow up or down from 1 (no overhead); hatched: time not from a re-warmed step.
+            drawn = ax.bar([x for x, _, _ in bars], [y - 1 for _, y, _ in bars], width, bottom=1.0,
+                           label=LABELS[m], color=f"C{i}")
+            for patch, (_, _, flagged) in zip(drawn, bars):
+                if flagged:
+                    patch.set_hatch("//")
             ax.scatter(fails, [1.0] * len(fails), marker="x", color=f"C{i}", zorder=3)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.axhline(1.15 if field == "time" else 1.10, color="gray", ls="--", lw=0.8)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_ylabel(title)
         ax.grid(axis="y", which="both", alpha=0.3)
     axes[1].set_xticks(range(len(keys)))
     axes[1].set_xticklabels([f"T={T}\nB={B}" for T, B in keys])
     axes[0].legend(fontsize=8, ncol=3)
-    axes[0].set_title("Overhead over non-private eager PyTorch (x = failed; dashed = DP targets 1.15 / 1.10)")
+    axes[0].set_title("Overhead over non-private eager PyTorch (a), reference Llama small, CPU\n"
+                      "x = failed; hatched = time not from a re-warmed step; dashed = DP targets 1.15 / 1.10",
+                      fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -374,8 +372,11 @@ def main():
 
     methods = [m for m in METHODS if m in args.methods or m == "eager"]  # ratios need (a)
     # Run order: the headline pair eager / dp back to back, then the rest.
+    # Opacus ghost last: its steps are the slowest and overrun their budget share, which would
+    # otherwise come out of the shares of the methods after it.
     run_order = ["eager"] + [m for m in ("dp", "dp_block", "captured") if m in methods]
-    run_order += [m for m in methods if m not in run_order]
+    run_order += [m for m in methods if m not in run_order and m != "opacus_ghost"]
+    run_order += [m for m in methods if m == "opacus_ghost"]
     load_before = os.getloadavg()
     loads = []
     start = time.perf_counter()
@@ -450,7 +451,8 @@ def main():
         f"{torch.__version__}, {threads_used} torch threads per worker. Load average (1/5/15 min) before: "
         f"{' / '.join(f'{x:.2f}' for x in load_before)}, after: {' / '.join(f'{x:.2f}' for x in load_after)}; "
         f"1-min load after each cell: median {median(loads):.2f}, max {max(loads):.2f} "
-        "(above ~0.5, other processes share the 2 cores and the timings are disturbed).",
+        "(the benchmark's own worker accounts for about 1–2; well above 2, other processes share the "
+        "2 cores and the timings are disturbed: re-run).",
         f"Total wall time: {total:.0f} s ({total / 60:.1f} min).",
         "",
         *headline,

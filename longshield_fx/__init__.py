@@ -13,4 +13,4 @@ from .passes.per_sample import per_sample_rule
 from .runtime.accounting import calibrate_noise
 
 __all__ = ["compile", "capture", "DPConfig", "CausalLMLoss", "calibrate_noise", "per_sample_rule",
-           "UnsupportedModelError"]
+           "UnsupportedModelError", "data"]

@@ -333,8 +333,8 @@ def _along_dim(dim_arg_index):
     return rule
 
 
-register_batch_rule(aten._softmax.default, aten._log_softmax.default, aten.cumsum.default,
-                    aten.sort.default)(_along_dim(1))
+register_batch_rule(aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default,
+                    aten.cumsum.default, aten.sort.default)(_along_dim(1))
 register_batch_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)(_along_dim(2))
 
 
@@ -412,16 +412,42 @@ def _attention_tag(node: fx.Node) -> BatchDim:
     return tag
 
 
-@register_batch_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
-def _sdpa_cpu(node, B):
-    tag = _attention_tag(node)
-    return (tag, tag)
+# Fused attention kernels, by device: which outputs hold per-sample rows (the others are
+# RNG state, sequence offsets or sizes). Samples stay apart as long as all batched inputs
+# (q, k, v, a per-sample mask) keep the batch in dimension 0.
+_ATTENTION_BATCHED_OUTPUTS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1),  # out, lse
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2),  # dq, dk, dv
+    aten._scaled_dot_product_flash_attention.default: (0, 1, 8),  # out, lse, debug mask
+    aten._scaled_dot_product_flash_attention_backward.default: (0, 1, 2),
+    aten._scaled_dot_product_efficient_attention.default: (0, 1),
+    aten._scaled_dot_product_efficient_attention_backward.default: (0, 1, 2),  # 3: d(attn_bias), below
+    aten._scaled_dot_product_cudnn_attention.default: (0, 1, 8),
+    aten._scaled_dot_product_cudnn_attention_backward.default: (0, 1, 2),
+}
+_EFFICIENT_BWD = aten._scaled_dot_product_efficient_attention_backward.default
 
 
-@register_batch_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-def _sdpa_cpu_backward(node, B):
+def _has_rows(value, rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows  # not an empty debug mask
+
+
+@register_batch_rule(*_ATTENTION_BATCHED_OUTPUTS)
+def _fused_attention(node, B):
     tag = _attention_tag(node)
-    return (tag, tag, tag)
+    batched = _ATTENTION_BATCHED_OUTPUTS[node.target]
+    tags = [tag if i in batched and _has_rows(v, B * tag.inner) else None for i, v in enumerate(node.meta["val"])]
+    if node.target is _EFFICIENT_BWD and len(tags) > 3:
+        bias = node.args[4]
+        if batch_dim(bias) is not None:
+            tags[3] = tag  # a per-sample mask's gradient stays per sample
+        elif isinstance(bias, fx.Node) and node.args[10][3]:
+            # Its gradient sums over the samples and no per-sample rule covers it. Refused here:
+            # raising _Mixing would untag dq/dk/dv too.
+            raise UnsupportedModelError(
+                f"{node.target} (node {node.name}) in {module_of(node)}: a trainable attention bias shared "
+                "by all samples has no per-sample gradient rule; make the bias a constant or per-sample mask")
+    return tuple(tags)
 
 
 @register_batch_rule(aten.native_layer_norm.default)

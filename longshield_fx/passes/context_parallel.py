@@ -1,7 +1,7 @@
 """The ``context_parallel`` pass: attention -> ring attention over the cp group.
 
-Rewrites: every causal ``aten._scaled_dot_product_flash_attention_for_cpu`` node and its
-``_backward`` into ``longshield::ring_attention`` / ``ring_attention_backward``
+Rewrites: every causal fused-attention node (``ATTENTION``: the CPU flash kernel, and the
+CUDA flash / memory-efficient / cuDNN kernels) and its backward into ``longshield::ring_attention`` / ``ring_attention_backward``
 (``runtime/ring_attention.py``), which pass K/V blocks around the cp ring and merge block
 outputs with their log-sum-exp. For GQA the rewrite looks through the K/V head repeat
 (``view(clone(expand(unsqueeze(k, 2))))``) so K/V travel with Hkv heads, and replaces
@@ -12,7 +12,8 @@ Assumes: the graph was captured on one rank's zig-zag shard of the sequence (the
 feeds the tokens' global positions, so RoPE is unchanged); attention is causal, either
 ``is_causal=True`` or a mask that depends on no sample data (Hugging Face builds its
 causal mask from an all-ones attention mask, which ``ShardedCausalLMLoss`` passes). Other
-attention (dropout, sample-dependent masks) stops with ``UnsupportedModelError``.
+attention (dropout, sample-dependent masks, attention written as matmul + softmax over the
+sequence) stops with ``UnsupportedModelError``.
 
 Guarantees: the rewritten graph computes exactly full causal attention over the global
 sequence on each rank's shard; the new nodes carry ``meta["val"]`` and batch tags.
@@ -33,8 +34,19 @@ from .batch_dims import batch_dim, register_batch_rule
 aten = torch.ops.aten
 ring_fwd = torch.ops.longshield.ring_attention.default
 ring_bwd = torch.ops.longshield.ring_attention_backward.default
-FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
-FLASH_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# Fused attention forward -> its backward, for every device the SDPA dispatcher may pick
+# (CPU: flash; CUDA: flash for fp16/bf16, memory-efficient for fp32, cuDNN where enabled).
+# All take (q, k, v, ...) and return (out, lse, ...); backwards take (grad_out, q, k, v, ...)
+# and return (dq, dk, dv, ...).
+ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default:
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_flash_attention.default: aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention.default:
+        aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention.default: aten._scaled_dot_product_cudnn_attention_backward.default,
+}
+_SOFTMAX = (aten._softmax.default, aten._safe_softmax.default)
 
 
 @register_batch_rule(ring_fwd)
@@ -53,13 +65,14 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     b = GraphBuilder(graph, ctx.captured.fake_mode)
     derived = _sample_dependent(graph)
     backward_of = {}
-    for node in graph.find_nodes(op="call_function", target=FLASH_BWD):
-        backward_of[tuple(node.args[1:4])] = node
-    for fwd in list(graph.find_nodes(op="call_function", target=FLASH)):
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in ATTENTION.values():
+            backward_of[tuple(node.args[1:4])] = node
+    for fwd in [n for n in graph.nodes if n.op == "call_function" and n.target in ATTENTION]:
         q, k_rep, v_rep = fwd.args[:3]
-        dropout = fwd.args[3] if len(fwd.args) > 3 else fwd.kwargs.get("dropout_p", 0.0)
-        is_causal = fwd.args[4] if len(fwd.args) > 4 else fwd.kwargs.get("is_causal", False)
-        mask = fwd.kwargs.get("attn_mask")
+        dropout = _arg(fwd, "dropout_p", 0.0)
+        is_causal = _arg(fwd, "is_causal", False)
+        mask = _arg(fwd, "attn_mask") or _arg(fwd, "attn_bias")
         where = f"{fwd.name} in {module_of(fwd)}"
         if dropout:
             raise UnsupportedModelError(f"context_parallel: attention dropout at {where} is not supported; set it to 0")
@@ -67,7 +80,7 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise UnsupportedModelError(
                 f"context_parallel: attention at {where} is not causal (or its mask depends on the samples); "
                 "ring attention here supports causal language-model attention only")
-        scale = fwd.kwargs.get("scale") or val(q).shape[-1] ** -0.5
+        scale = _arg(fwd, "scale") or val(q).shape[-1] ** -0.5
         k, k_group_sum = _unrepeat(k_rep)
         v, v_group_sum = _unrepeat(v_rep)
         bwd = backward_of.get((q, k_rep, v_rep))
@@ -101,11 +114,38 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             sum_node.replace_all_uses_with(kept)
         _replace_getitems(bwd, replacements)
     graph.eliminate_dead_code()
+    local_len = _local_sequence_length(graph)
     for node in graph.nodes:
-        if node.target in (FLASH, FLASH_BWD):
+        if node.target in ATTENTION or node.target in ATTENTION.values():
             raise UnsupportedModelError(f"context_parallel: attention node {node.name} could not be rewritten")
+        if node.target in _SOFTMAX and node.meta.get("partitioner_tag") == "is_forward" \
+                and val(node).shape[_arg(node, "dim")] == local_len:
+            # Attention written as matmul + softmax would attend within the local shard only.
+            raise UnsupportedModelError(
+                f"context_parallel: softmax over the (sharded) sequence at {node.name} in {module_of(node)}: "
+                "attention written by hand cannot be split over the context; use "
+                "torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa')")
     gm.recompile()
     return gm
+
+
+def _arg(node: fx.Node, name: str, default=None):
+    """Argument ``name`` of an aten call, by its schema (positional, keyword or default)."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name != name:
+            continue
+        if not arg.kwarg_only and i < len(node.args):
+            return node.args[i]
+        return node.kwargs.get(name, arg.default_value if arg.has_default_value() else default)
+    return default
+
+
+def _local_sequence_length(graph: fx.Graph) -> int | None:
+    """This rank's sequence length: dimension 1 of the first per-sample (B, T) input."""
+    for ph in graph.find_nodes(op="placeholder"):
+        if ph.meta.get("batch_dim") is not None and val(ph).dim() >= 2:
+            return val(ph).shape[1]
+    return None
 
 
 def _unrepeat(x: fx.Node):

@@ -42,7 +42,8 @@ class Engine:
         self._inspect = None
         self._shapes = None
         self._accum: dict[str, torch.Tensor] | None = None
-        self._noise = torch.Generator()
+        # On the parameters' device, so the noise is drawn where the gradients are.
+        self._noise = torch.Generator(device=next(model.parameters(), torch.empty(0)).device)
         if config is not None:
             seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             # Every rank draws the same noise, added once to the same full gradient.
@@ -125,7 +126,7 @@ class Engine:
             raise ValueError("engine.accumulate: mask must hold only 0 (padding) and 1 (real sample)")
         captured, gm, _ = self._training_graph(batch)
         loss_val = val(captured.cotangent_placeholder())
-        cotangent = mask.to(dtype=loss_val.dtype)
+        cotangent = mask.to(device=batch[0].device, dtype=loss_val.dtype)
         args = captured.gather_args(self.model, self.parallel.shard(batch), cotangent, dtype=self._dtype())
         with torch.no_grad(), self.parallel.collective_errors():
             loss_sum, norms, *sums = gm(*args)
@@ -158,7 +159,8 @@ class Engine:
                     for name, total in self._accum.items()}
         for name, total in full.items():
             if sigma_c > 0:
-                noise = torch.randn(total.shape, generator=self._noise, dtype=torch.float32)
+                noise = torch.randn(total.shape, generator=self._noise, dtype=torch.float32,
+                                    device=self._noise.device)
                 total = total + sigma_c * noise
             p = params[name]
             p.grad = (total / expected_batch_size).to(device=p.device, dtype=p.dtype)
