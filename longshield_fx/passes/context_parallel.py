@@ -114,6 +114,13 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             sum_node.replace_all_uses_with(kept)
         _replace_getitems(bwd, replacements)
     graph.eliminate_dead_code()
+    # fx keeps attention kernels it thinks random (dropout argument) even when unused, and the
+    # CUDA kernels' RNG outputs keep a forward alive until its backward is gone: erase by hand,
+    # backwards first.
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and (node.target in ATTENTION or node.target in ATTENTION.values()):
+            _replace_getitems(node, {})
+    graph.eliminate_dead_code()
     local_len = _local_sequence_length(graph)
     for node in graph.nodes:
         if node.target in ATTENTION or node.target in ATTENTION.values():

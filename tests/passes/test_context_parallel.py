@@ -36,23 +36,23 @@ def swap_to_efficient_attention(captured):
             eff = b(EFFICIENT, q, k, v, fwd.kwargs.get("attn_mask"), True, dropout, causal, scale=scale)
             out, lse, seed, offset = (b(operator.getitem, eff, i) for i in range(4))
         for node in (eff, out, lse, seed, offset):
-            node.meta.update({k: fwd.meta[k] for k in ("nn_module_stack", "partitioner_tag") if k in fwd.meta})
+            node.meta.update({key: fwd.meta[key] for key in ("nn_module_stack", "partitioner_tag") if key in fwd.meta})
         old = {u.args[1]: u for u in fwd.users}
+        old[0].replace_all_uses_with(out)
+        old[1].replace_all_uses_with(lse)
+        for node in (*old.values(), fwd):
+            graph.erase_node(node)
         for bwd in list(graph.find_nodes(op="call_function", target=CPU_FLASH_BWD)):
-            if bwd.args[4] is not old[0] or bwd.args[5] is not old[1]:
+            if tuple(bwd.args[1:4]) != (q, k, v):
                 continue
-            go = bwd.args[0]
             with graph.inserting_before(bwd):
-                eff_bwd = b(EFFICIENT_BWD, go, q, k, v, None, out, lse, seed, offset, dropout,
+                # args[4] is out (through a detach); args[5] is now the new lse.
+                eff_bwd = b(EFFICIENT_BWD, bwd.args[0], q, k, v, None, bwd.args[4], lse, seed, offset, dropout,
                             [True, True, True, False], causal, scale=scale)
                 for user in list(bwd.users):
                     user.replace_all_uses_with(b(operator.getitem, eff_bwd, user.args[1]))
                     graph.erase_node(user)
             graph.erase_node(bwd)
-        old[0].replace_all_uses_with(out)
-        old[1].replace_all_uses_with(lse)
-        for node in (*old.values(), fwd):
-            graph.erase_node(node)
     captured.gm.recompile()
     return captured
 
@@ -64,7 +64,9 @@ def capture_with_efficient_attention(monkeypatch) -> list:
 
     def capture_then_swap(*args, **kwargs):
         captured = swap_to_efficient_attention(real_capture(*args, **kwargs))
-        swapped.append(sum(1 for _ in captured.gm.graph.find_nodes(op="call_function", target=EFFICIENT)))
+        targets = [n.target for n in captured.gm.graph.nodes]
+        assert CPU_FLASH not in targets and CPU_FLASH_BWD not in targets
+        swapped.append((targets.count(EFFICIENT), targets.count(EFFICIENT_BWD)))
         return captured
 
     monkeypatch.setattr(engine_module, "capture", capture_then_swap)
@@ -77,7 +79,7 @@ def test_cuda_efficient_attention_becomes_the_same_ring_as_cpu_flash(monkeypatch
     swapped = capture_with_efficient_attention(monkeypatch)
     with fake_world(2):
         gm = build(2).graph_module
-    assert swapped == [2]  # both layers' attention was swapped before the passes ran
+    assert swapped == [(2, 2)]  # both layers' attention and its backward, before the passes ran
     assert not any("efficient_attention" in str(n.target) for n in gm.graph.nodes)
     assert "ring_attention" in cpu
     assert collectives(gm) == cpu
