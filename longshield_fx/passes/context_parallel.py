@@ -1,12 +1,12 @@
 """The ``context_parallel`` pass: attention -> ring attention over the cp group.
 
 Rewrites: every causal fused-attention node (``ATTENTION``: the CPU flash kernel, and the
-CUDA flash / memory-efficient / cuDNN kernels) and its backward into ``longshield::ring_attention`` / ``ring_attention_backward``
-(``runtime/ring_attention.py``), which pass K/V blocks around the cp ring and merge block
-outputs with their log-sum-exp. For GQA the rewrite looks through the K/V head repeat
-(``view(clone(expand(unsqueeze(k, 2))))``) so K/V travel with Hkv heads, and replaces
-the gradient's group-sum ``sum(view(dk_rep, [B, Hkv, g, T, D]), [2], keepdim=True)`` by the
-ring backward's dk directly.
+CUDA flash / memory-efficient / cuDNN kernels) and its backward into
+``longshield::ring_attention`` / ``ring_attention_backward`` (``runtime/ring_attention.py``),
+which pass K/V blocks around the cp ring and merge block outputs with their log-sum-exp. For GQA
+the rewrite looks through the K/V head repeat (``view(clone(expand(unsqueeze(k, 2))))``) so K/V
+travel with Hkv heads, and replaces the gradient's group-sum
+``sum(view(dk_rep, [B, Hkv, g, T, D]), [2], keepdim=True)`` by the ring backward's dk directly.
 
 Assumes: the graph was captured on one rank's zig-zag shard of the sequence (the engine
 feeds the tokens' global positions, so RoPE is unchanged); attention is causal, either

@@ -126,7 +126,7 @@ class Parallel:
         if self.cp > 1 and shard_dim is not None:
             front = total.movedim(shard_dim, 0).contiguous()
             gathered = front.new_empty((front.shape[0] * self.cp, *front.shape[1:]))
-            dist.all_gather_into_tensor(gathered, front, group=self.cp_group)
+            dist.all_gather_single(gathered, front, group=self.cp_group)
             total = gathered.movedim(0, shard_dim)
         if self.dp > 1:
             total = total.contiguous().clone()
