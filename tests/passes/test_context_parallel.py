@@ -1,8 +1,8 @@
 """The ``context_parallel`` pass on the attention kernels of every device, and its refusals.
 
 CUDA kernels cannot run here, so their graphs are made by swapping the CPU flash attention
-nodes of a captured graph for CUDA memory-efficient attention nodes (the kernel SDPA picks for
-fp32 on CUDA), with shapes from fake tensors. The ring rewrite must produce the same
+nodes of a captured graph for the nodes of the kernels SDPA picks on CUDA (memory-efficient for
+fp32, flash for fp16/bf16), with shapes from fake tensors. The ring rewrite must produce the same
 collectives as from the CPU graph (pinned in test_shard_grads.py).
 """
 import operator
@@ -21,80 +21,101 @@ from longshield_fx.passes._graph import GraphBuilder
 aten = torch.ops.aten
 CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_FLASH_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-EFFICIENT = aten._scaled_dot_product_efficient_attention.default
-EFFICIENT_BWD = aten._scaled_dot_product_efficient_attention_backward.default
+
+# The CUDA kernels SDPA picks: (forward, backward, forward args, number of forward outputs,
+# backward args given the forward's outputs).
+CUDA_KERNELS = {
+    "efficient (fp32)": (
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_efficient_attention_backward.default,
+        lambda q, k, v, dropout, causal: (q, k, v, None, True, dropout, causal), 4,
+        lambda go, q, k, v, out, outs, dropout, causal: (
+            go, q, k, v, None, out, outs[1], outs[2], outs[3], dropout, [True, True, True, False], causal)),
+    "flash (fp16/bf16)": (
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_backward.default,
+        lambda q, k, v, dropout, causal: (q, k, v, dropout, causal, False), 9,
+        lambda go, q, k, v, out, outs, dropout, causal: (
+            go, q, k, v, out, *outs[1:6], dropout, causal, outs[6], outs[7])),
+}
 
 
-def swap_to_efficient_attention(captured):
-    """Replace each CPU flash attention and its backward by the CUDA memory-efficient kernel's."""
+def swap_attention(captured, kernel):
+    """Replace each CPU flash attention and its backward by the nodes of a CUDA kernel."""
+    fwd_op, bwd_op, fwd_args, n_outputs, bwd_args = CUDA_KERNELS[kernel]
     graph = captured.gm.graph
     b = GraphBuilder(graph, captured.fake_mode)
     for fwd in list(graph.find_nodes(op="call_function", target=CPU_FLASH)):
         q, k, v, dropout, causal = (list(fwd.args) + [0.0, False])[:5]
+        assert "attn_mask" not in fwd.kwargs  # the reference Llama uses is_causal
         scale = fwd.kwargs.get("scale")
         with graph.inserting_before(fwd):
-            eff = b(EFFICIENT, q, k, v, fwd.kwargs.get("attn_mask"), True, dropout, causal, scale=scale)
-            out, lse, seed, offset = (b(operator.getitem, eff, i) for i in range(4))
-        for node in (eff, out, lse, seed, offset):
+            new_fwd = b(fwd_op, *fwd_args(q, k, v, dropout, causal), scale=scale)
+            outs = [b(operator.getitem, new_fwd, i) for i in range(n_outputs)]
+        for node in (new_fwd, *outs):
             node.meta.update({key: fwd.meta[key] for key in ("nn_module_stack", "partitioner_tag") if key in fwd.meta})
         old = {u.args[1]: u for u in fwd.users}
-        old[0].replace_all_uses_with(out)
-        old[1].replace_all_uses_with(lse)
+        old[0].replace_all_uses_with(outs[0])
+        old[1].replace_all_uses_with(outs[1])
         for node in (*old.values(), fwd):
             graph.erase_node(node)
         for bwd in list(graph.find_nodes(op="call_function", target=CPU_FLASH_BWD)):
             if tuple(bwd.args[1:4]) != (q, k, v):
                 continue
             with graph.inserting_before(bwd):
-                # args[4] is out (through a detach); args[5] is now the new lse.
-                eff_bwd = b(EFFICIENT_BWD, bwd.args[0], q, k, v, None, bwd.args[4], lse, seed, offset, dropout,
-                            [True, True, True, False], causal, scale=scale)
+                # bwd.args[4] is out (read through a detach).
+                new_bwd = b(bwd_op, *bwd_args(bwd.args[0], q, k, v, bwd.args[4], outs, dropout, causal), scale=scale)
                 for user in list(bwd.users):
-                    user.replace_all_uses_with(b(operator.getitem, eff_bwd, user.args[1]))
+                    user.replace_all_uses_with(b(operator.getitem, new_bwd, user.args[1]))
                     graph.erase_node(user)
             graph.erase_node(bwd)
     captured.gm.recompile()
     return captured
 
 
-def capture_with_efficient_attention(monkeypatch) -> list:
-    """From now on the engine's captures use CUDA efficient attention; returns swap counts."""
+def capture_with_cuda_attention(monkeypatch, kernel) -> list:
+    """From now on the engine's captures use a CUDA attention kernel; returns swap counts."""
+    fwd_op, bwd_op = CUDA_KERNELS[kernel][:2]
     real_capture = engine_module.capture
     swapped = []
 
     def capture_then_swap(*args, **kwargs):
-        captured = swap_to_efficient_attention(real_capture(*args, **kwargs))
+        captured = swap_attention(real_capture(*args, **kwargs), kernel)
         targets = [n.target for n in captured.gm.graph.nodes]
         assert CPU_FLASH not in targets and CPU_FLASH_BWD not in targets
-        swapped.append((targets.count(EFFICIENT), targets.count(EFFICIENT_BWD)))
+        swapped.append((targets.count(fwd_op), targets.count(bwd_op)))
         return captured
 
     monkeypatch.setattr(engine_module, "capture", capture_then_swap)
     return swapped
 
 
-def test_cuda_efficient_attention_becomes_the_same_ring_as_cpu_flash(monkeypatch):
+@pytest.mark.parametrize("kernel", list(CUDA_KERNELS))
+def test_cuda_attention_becomes_the_same_ring_as_cpu_flash(monkeypatch, kernel):
     with fake_world(2):
         cpu = collectives(build(2).graph_module)
-    swapped = capture_with_efficient_attention(monkeypatch)
+    swapped = capture_with_cuda_attention(monkeypatch, kernel)
     with fake_world(2):
         gm = build(2).graph_module
     assert swapped == [(2, 2)]  # both layers' attention and its backward, before the passes ran
-    assert not any("efficient_attention" in str(n.target) for n in gm.graph.nodes)
+    assert not any("attention" in str(n.target) and "ring" not in str(n.target) for n in gm.graph.nodes)
     assert "ring_attention" in cpu
     assert collectives(gm) == cpu
 
 
-def test_cuda_efficient_attention_keeps_samples_apart_in_one_process(monkeypatch):
-    capture_with_efficient_attention(monkeypatch)
+@pytest.mark.parametrize("kernel", list(CUDA_KERNELS))
+def test_cuda_attention_keeps_samples_apart_in_one_process(monkeypatch, kernel):
+    fwd_op = CUDA_KERNELS[kernel][0]
+    capture_with_cuda_attention(monkeypatch, kernel)
     engine = lf.compile(tiny_llama(), config=lf.DPConfig(1.0, 1.0, seed=0))
     ids = torch.zeros(2, 16, dtype=torch.long)
     gm = engine._training_graph((ids, ids))[1]
-    attention = list(gm.graph.find_nodes(op="call_function", target=EFFICIENT))
+    attention = list(gm.graph.find_nodes(op="call_function", target=fwd_op))
     assert len(attention) == 2
     for node in attention:
-        assert [u.meta["batch_dim"] for u in sorted(node.users, key=lambda u: u.args[1])][:2] == \
-            [node.args[0].meta["batch_dim"]] * 2
+        tags = {u.args[1]: u.meta["batch_dim"] for u in node.users}
+        assert tags[0] == tags[1] == node.args[0].meta["batch_dim"] is not None  # out, lse
+        assert all(tag is None for i, tag in tags.items() if i > 1)  # RNG state, sizes
     assert len(engine._train[2].per_sample) == len(dict(engine.model.named_parameters()))
 
 
