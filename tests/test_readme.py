@@ -1,0 +1,38 @@
+"""The README's usage example runs as written, and the API it lists is the API there is."""
+import dataclasses
+import inspect
+import pathlib
+import re
+
+import torch
+
+import longshield_fx as lf
+
+README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+
+
+def test_usage_example_runs():
+    example = re.search(r"## Using it\n\n```python\n(.*?)```", README, re.S).group(1)
+    tokens = torch.randint(0, 256, (200, 32), generator=torch.Generator().manual_seed(0))
+    namespace = {"tokens": tokens}  # the one name the example leaves to the reader
+    exec(compile(example, "README.md", "exec"), namespace)
+    engine = namespace["engine"]
+    assert engine.captures == 1
+    assert 0 < engine.epsilon(delta=1e-5) < float("inf")
+
+
+def test_documented_signatures_match():
+    compile_doc = re.search(r"- `compile\((.*?)\)`", README).group(1)
+    assert _names(compile_doc) == list(inspect.signature(lf.compile).parameters)
+    config_doc = re.search(r"- `DPConfig\((.*?)\)`", README, re.S).group(1)
+    assert _names(config_doc) == [f.name for f in dataclasses.fields(lf.DPConfig)]
+
+
+def _names(params: str) -> list[str]:
+    """Parameter names of a documented signature such as 'a, b=1, *, c="x"|"y"'."""
+    names = []
+    for part in re.split(r",\s*(?![^()\[\]]*[)\]])", params):
+        name = part.strip().split("=")[0].split(":")[0].strip()
+        if name and name != "*":
+            names.append(name)
+    return names
