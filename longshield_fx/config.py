@@ -18,7 +18,10 @@ class DPConfig:
         a group with threshold C/sqrt(K)), or "automatic" (C / (‖g‖ + automatic_gamma)).
     sample_rate: Poisson sampling rate q, for privacy accounting (``engine.epsilon``).
     seed: seed of the noise generator; None draws it from the operating system.
-    secure_rng: seed the noise generator from the operating system's entropy; refuses ``seed``.
+    secure_rng: seed the noise generator from the operating system's entropy; refuses ``seed``
+        (which is what a None seed does too: the flag makes it impossible to pass one by
+        mistake). The generator itself is torch's (Mersenne Twister on CPU, Philox on CUDA),
+        not a cryptographically secure one.
     compute_dtype: dtype of the forward/backward (e.g. torch.bfloat16); parameters stay in
         their own dtype, norms and sums are fp32, and there is no loss scaling (a scaled
         loss would scale the clipping threshold, see dp-zero.md appendix C).
