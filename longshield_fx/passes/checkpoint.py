@@ -33,8 +33,8 @@ from . import PassContext
 
 aten = torch.ops.aten
 _BLOCK = re.compile(r"^(.*?\.)?\w+\.\d+$")
-_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "ring_attention", "_scaled_dot_product_cudnn_attention",
-              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"}
+_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "ring_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
 
 
 def region_of(node: fx.Node) -> str | None:
