@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-files", type=nonneg_int, default=400,
                    help="stdlib .py files read (sorted by path) for the corpus; 0 reads all")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where the model and the compiled step run (cuda: NCCL under torchrun; the passes do "
-                   "not yet have batch rules for the CUDA attention kernels, so capture stops with a clear error)")
+                   help="where the model and the compiled step run (cuda: NCCL under torchrun; written for the "
+                   "CUDA attention kernels but not yet run on a GPU)")
     t.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default: runs/train, or the --resume directory)")
     t.add_argument("--save-every", type=nonneg_int, default=25, metavar="K",
@@ -741,8 +741,6 @@ def inspect_report(engine, captured, gm, ctx, *, header: str, cp: int, dp: int) 
 
 
 def inspect(args) -> int:
-    import torch.distributed as dist
-
     import longshield_fx as lf
 
     _check_seq_len(args)
@@ -750,12 +748,9 @@ def inspect(args) -> int:
         _load_hf_config(args.hf_config)
     fake = False
     if args.cp > 1 and not _under_torchrun():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from .runtime.parallel import fake_cp_mesh
 
-        dist.init_process_group("fake", rank=0, world_size=args.cp, store=FakeStore())
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh, dp, fake = init_device_mesh("cpu", (args.cp,), mesh_dim_names=("cp",)), 1, True
+        mesh, dp, fake = fake_cp_mesh(args.cp), 1, True  # destroyed in main()
     else:
         mesh, dp, _ = setup_distributed(args.cp, "cpu", "inspect")
     model, _, model_name = build_model(args)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .passes._graph import nbytes, val
 from .passes.overlap import COLLECTIVES
 
 aten = torch.ops.aten
@@ -60,30 +61,20 @@ class Timeline:
     collectives: list = field(default_factory=list)  # (start, duration, node name)
 
 
-def _val(n):
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _bytes(n) -> int:
-    v = _val(n)
-    return 0 if v is None else v.numel() * v.element_size()
-
-
 def flops(node: fx.Node) -> float:
     t = node.target
     if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
         a, b = (node.args[1], node.args[2]) if t == aten.addmm.default else node.args[:2]
-        return 2.0 * _val(a).numel() * _val(b).shape[-1]
+        return 2.0 * val(a).numel() * val(b).shape[-1]
     if t == aten.einsum.default:
         sizes = {}
         for labels, x in zip(node.args[0].split("->")[0].split(","), node.args[1]):
-            for label, size in zip(labels, _val(x).shape):
+            for label, size in zip(labels, val(x).shape):
                 sizes[label] = size
         return 2.0 * math.prod(sizes.values())
     name = getattr(t, "__name__", "")
     if "attention" in name and node.args:
-        q, k = _val(node.args[0 if "backward" not in name else 1]), _val(node.args[1 if "backward" not in name else 2])
+        q, k = val(node.args[0 if "backward" not in name else 1]), val(node.args[1 if "backward" not in name else 2])
         kv_len = k.shape[-2] * (node.args[-1] if "ring" in name else 1)  # ring: all cp blocks
         f = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * kv_len * q.shape[3] / 2  # causal: half
         return f * (2.5 if "backward" in name else 1.0)
@@ -93,12 +84,12 @@ def flops(node: fx.Node) -> float:
 def compute_time(node: fx.Node, hw: Hardware) -> float:
     if node.op != "call_function" or node.target is operator.getitem:
         return 0.0
-    moved = _bytes(node) + sum(_bytes(a) for a in node.all_input_nodes)
+    moved = nbytes(node) + sum(nbytes(a) for a in node.all_input_nodes)
     return max(flops(node) / hw.flops, moved / hw.mem_bw)
 
 
 def comm_time(node: fx.Node, hw: Hardware) -> float:
-    volume = _bytes(node.args[0])
+    volume = nbytes(node.args[0])
     n = node.args[2] if node.target in (c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default) \
         else None
     if node.target == c10d.all_reduce.default:

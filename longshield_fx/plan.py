@@ -127,15 +127,15 @@ def _fake_world(cp: int):
         yield None
         return
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from longshield_fx.runtime.parallel import fake_cp_mesh
 
     if dist.is_initialized():
         raise RuntimeError("plan: torch.distributed is already initialised in this process; the planner "
                            "needs its own fake process group (run it in a fresh process)")
-    dist.init_process_group("fake", rank=0, world_size=cp, store=FakeStore())
+    mesh = fake_cp_mesh(cp)
     try:
-        yield init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+        yield mesh
     finally:
         dist.destroy_process_group()
 

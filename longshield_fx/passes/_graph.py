@@ -30,6 +30,24 @@ def val(node) -> torch.Tensor | None:
     return None
 
 
+def nbytes(node) -> int:
+    """Bytes of the tensor a node produces (0 for non-tensor values)."""
+    v = val(node)
+    return 0 if v is None else v.numel() * v.element_size()
+
+
+
+# Fused attention forward -> its backward, for every device the SDPA dispatcher may pick
+# (CPU: flash; CUDA: flash for fp16/bf16, memory-efficient for fp32, cuDNN where enabled).
+# All take (q, k, v, ...) and return (out, lse, ...); backwards take (grad_out, q, k, v, ...)
+# and return (dq, dk, dv, ...).
+FUSED_ATTENTION = {
+    getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}").default:
+        getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}_backward").default
+    for kernel in ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention")
+}
+
+
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     """Flattened tensor-valued node inputs (lists of tensors included)."""
     out = []

@@ -29,12 +29,13 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedModelError
+from ..runtime import ring_attention as _ring  # noqa: F401  (registers longshield::ring_attention)
 from . import PassContext
+from ._graph import FUSED_ATTENTION
 
 aten = torch.ops.aten
 _BLOCK = re.compile(r"^(.*?\.)?\w+\.\d+$")
-_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "ring_attention", "_scaled_dot_product_flash_attention",
-              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+_RING = torch.ops.longshield.ring_attention.default
 
 
 def region_of(node: fx.Node) -> str | None:
@@ -101,4 +102,4 @@ def checkpoint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _is_attention(node: fx.Node) -> bool:
-    return getattr(node.target, "__name__", "").split(".")[0] in _ATTENTION
+    return node.target in FUSED_ATTENTION or node.target is _RING

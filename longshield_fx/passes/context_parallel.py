@@ -1,6 +1,6 @@
 """The ``context_parallel`` pass: attention -> ring attention over the cp group.
 
-Rewrites: every causal fused-attention node (``ATTENTION``: the CPU flash kernel, and the
+Rewrites: every causal fused-attention node (``_graph.FUSED_ATTENTION``: the CPU flash kernel, and the
 CUDA flash / memory-efficient / cuDNN kernels) and its backward into
 ``longshield::ring_attention`` / ``ring_attention_backward`` (``runtime/ring_attention.py``),
 which pass K/V blocks around the cp ring and merge block outputs with their log-sum-exp. For GQA
@@ -28,24 +28,13 @@ import torch.fx as fx
 from ..errors import UnsupportedModelError
 from ..runtime import ring_attention as _ring  # noqa: F401  (registers the ops)
 from . import PassContext
-from ._graph import GraphBuilder, module_of, val
+from ._graph import FUSED_ATTENTION, GraphBuilder, module_of, val
 from .batch_dims import batch_dim, register_batch_rule
 
 aten = torch.ops.aten
 ring_fwd = torch.ops.longshield.ring_attention.default
 ring_bwd = torch.ops.longshield.ring_attention_backward.default
-# Fused attention forward -> its backward, for every device the SDPA dispatcher may pick
-# (CPU: flash; CUDA: flash for fp16/bf16, memory-efficient for fp32, cuDNN where enabled).
-# All take (q, k, v, ...) and return (out, lse, ...); backwards take (grad_out, q, k, v, ...)
-# and return (dq, dk, dv, ...).
-ATTENTION = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default:
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._scaled_dot_product_flash_attention.default: aten._scaled_dot_product_flash_attention_backward.default,
-    aten._scaled_dot_product_efficient_attention.default:
-        aten._scaled_dot_product_efficient_attention_backward.default,
-    aten._scaled_dot_product_cudnn_attention.default: aten._scaled_dot_product_cudnn_attention_backward.default,
-}
+_ATTENTION_OPS = set(FUSED_ATTENTION) | set(FUSED_ATTENTION.values())
 _SOFTMAX = (aten._softmax.default, aten._safe_softmax.default)
 
 
@@ -66,9 +55,9 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     derived = _sample_dependent(graph)
     backward_of = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in ATTENTION.values():
+        if node.op == "call_function" and node.target in FUSED_ATTENTION.values():
             backward_of[tuple(node.args[1:4])] = node
-    for fwd in [n for n in graph.nodes if n.op == "call_function" and n.target in ATTENTION]:
+    for fwd in [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_ATTENTION]:
         q, k_rep, v_rep = fwd.args[:3]
         dropout = _arg(fwd, "dropout_p", 0.0)
         is_causal = _arg(fwd, "is_causal", False)
@@ -118,12 +107,12 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     # CUDA kernels' RNG outputs keep a forward alive until its backward is gone: erase by hand,
     # backwards first.
     for node in reversed(list(graph.nodes)):
-        if node.op == "call_function" and (node.target in ATTENTION or node.target in ATTENTION.values()):
+        if node.op == "call_function" and node.target in _ATTENTION_OPS:
             _replace_getitems(node, {})
     graph.eliminate_dead_code()
     local_len = _local_sequence_length(graph)
     for node in graph.nodes:
-        if node.target in ATTENTION or node.target in ATTENTION.values():
+        if node.target in _ATTENTION_OPS:
             raise UnsupportedModelError(f"context_parallel: attention node {node.name} could not be rewritten")
         if node.target in _SOFTMAX and node.meta.get("partitioner_tag") == "is_forward" \
                 and val(node).shape[_arg(node, "dim")] == local_len:

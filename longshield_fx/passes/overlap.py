@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from . import PassContext
-from ._graph import val
+from ._graph import nbytes, val
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -104,7 +104,7 @@ def schedule(graph: fx.Graph, limits: OverlapLimits) -> list[fx.Node]:
             continue
         if node.target in COLLECTIVES:
             while outstanding and (len(outstanding) + 1 > limits.max_in_flight or
-                                   sum(map(_nbytes, outstanding)) + _nbytes(node) > limits.max_pinned_bytes):
+                                   sum(map(nbytes, outstanding)) + nbytes(node) > limits.max_pinned_bytes):
                 emit(_wait_of(outstanding[0]))  # ready: its only input is the collective
         emit(node)
     assert len(order) == len(nodes), "overlap: the graph has a cycle"
@@ -113,11 +113,6 @@ def schedule(graph: fx.Graph, limits: OverlapLimits) -> list[fx.Node]:
 
 def _wait_of(issue: fx.Node) -> fx.Node:
     return next(u for u in issue.users if u.target == c10d.wait_tensor.default)
-
-
-def _nbytes(node: fx.Node) -> int:
-    v = val(node)
-    return 0 if v is None else v.numel() * v.element_size()
 
 
 def _apply(graph: fx.Graph, order: list[fx.Node]) -> None:
@@ -158,7 +153,7 @@ def verify_schedule(order: list[fx.Node], limits: OverlapLimits = OverlapLimits(
             if len(outstanding) > limits.max_in_flight:
                 raise ScheduleError(f"{len(outstanding)} collectives in flight at {node.name} "
                                     f"(cap {limits.max_in_flight})")
-            if len(outstanding) > 1 and sum(_nbytes(c) for c in outstanding) > limits.max_pinned_bytes:
+            if len(outstanding) > 1 and sum(nbytes(c) for c in outstanding) > limits.max_pinned_bytes:
                 raise ScheduleError(f"collectives in flight pin more than {limits.max_pinned_bytes} bytes at {node.name}")
         seen.add(node)
     mine = collective_signature(order)

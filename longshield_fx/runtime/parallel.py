@@ -23,6 +23,19 @@ from .ring_attention import shard_sequence, zigzag_index
 _PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "peer", "gloo", "nccl")
 
 
+def fake_cp_mesh(cp: int):
+    """Initialise a one-process fake process group of ``cp`` ranks; return its 1-D "cp" mesh.
+
+    Rank 0's view: graphs get real shapes and collectives, nothing is sent. The caller
+    destroys the group (``dist.destroy_process_group()``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=cp, store=FakeStore())
+    return init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+
+
 class Parallel:
     def __init__(self, mesh=None, cp_group=None, dp_group=None):
         self.mesh = mesh
