@@ -30,7 +30,7 @@ def worker(T: int, policy: str, repeats: int) -> dict:
 
     torch.manual_seed(0)
     model = lf.CausalLMLoss(Llama.from_name("small", n_layers=8))
-    engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0, seed=0), checkpoint=None if policy == "none" else policy)
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0), checkpoint=None if policy == "none" else policy)
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
     engine.accumulate(ids, ids)  # capture + warm-up
     estimate = estimate_memory(engine.graph_module).peak_bytes

@@ -39,7 +39,7 @@ def build_graphs(T: int, cp: int = 2, layers: int = 4):
         for with_pass in (False, True):
             torch.manual_seed(0)
             engine = lf.compile(lf.CausalLMLoss(Llama.from_name("small", n_layers=layers)), mesh,
-                                config=lf.DPConfig(1.0, 1.0, seed=0))
+                                config=lf.DPConfig(1.0, 1.0))
             engine.parallel.overlap = with_pass
             ids = torch.zeros(1, T, dtype=torch.long)
             engine._training_graph((ids, ids))
@@ -79,7 +79,7 @@ def bytes_table(seq_lens=(512, 2048, 8192), cp: int = 2) -> list[str]:
             row = []
             for comm in ("input_stationary", "output_stationary"):
                 engine = lf.compile(lf.CausalLMLoss(Llama.from_name("small")), mesh,
-                                    config=lf.DPConfig(1.0, 1.0, seed=0, per_sample_comm=comm))
+                                    config=lf.DPConfig(1.0, 1.0, per_sample_comm=comm))
                 ids = torch.zeros(1, T, dtype=torch.long)
                 engine._training_graph((ids, ids))
                 b = engine.communication_bytes()
@@ -101,16 +101,18 @@ def worker(T: int, repeats: int):
     for with_pass in (False, True):
         torch.manual_seed(0)
         model = lf.CausalLMLoss(Llama.from_name("small"))
-        engines[with_pass] = lf.compile(model, mesh, config=lf.DPConfig(1.0, 1.0, seed=0))
+        engines[with_pass] = lf.compile(model, mesh, config=lf.DPConfig(1.0, 1.0))
         engines[with_pass].parallel.overlap = with_pass
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
+    # One sample in every logical batch (N = 1, q = 1): what finalize divides by and accounts.
+    logical = lf.data.LogicalBatch(size=1, indices=torch.arange(1), physical=[], sample_rate=1.0, expected_size=1.0)
     times = {False: [], True: []}
     for step in range(repeats + 1):
         for with_pass in (False, True):
             dist.barrier()
             start = time.perf_counter()
             engines[with_pass].accumulate(ids, ids)
-            engines[with_pass].finalize(1.0)
+            engines[with_pass].finalize(logical)
             if step:  # the first step captures
                 times[with_pass].append(time.perf_counter() - start)
     if dist.get_rank() == 0:

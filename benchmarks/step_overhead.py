@@ -130,12 +130,15 @@ def make_step(method: str, T: int, B: int):
 
     if method in ("dp", "dp_block"):
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        engine = lf.compile(model, config=lf.DPConfig(C, SIGMA, seed=0),
+        engine = lf.compile(model, config=lf.DPConfig(C, SIGMA),
                             checkpoint="block" if method == "dp_block" else None)
+        # All B rows in every logical batch (N = B, q = 1): finalize divides by E[B] = B, as before.
+        logical = lf.data.LogicalBatch(size=B, indices=torch.arange(B), physical=[], sample_rate=1.0,
+                                       expected_size=float(B))
 
         def step():
             engine.accumulate(ids, ids)
-            engine.finalize(B)
+            engine.finalize(logical)
             opt.step()
             opt.zero_grad()
         return step

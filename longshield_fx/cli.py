@@ -5,6 +5,15 @@ this machine's Python standard library sources, read as bytes (a byte-level voca
 256) and treated as a private codebase. Nothing is downloaded. Under ``torchrun`` with
 ``--cp N`` the same job runs context-parallel (gloo on CPU, NCCL on GPU).
 
+Privacy, as the CLI applies it: the unit is the document (one stdlib file = one row: its
+first T bytes, padding labelled -100; truncation is reported), so the printed ε is per
+document (add/remove one document), at δ = min(1e-5, N^-1.1) by default, PLD accountant.
+``--seed`` seeds the model initialisation (and dropout) only; the noise and the Poisson
+sampling come from secret ChaCha20 streams keyed by the OS (``--insecure-seed`` is a test-only
+escape hatch that voids the guarantee). Losses, timings, batch sizes and counts are not covered by ε
+and are written only under ``not_covered_by_dp``. Checkpoints (``checkpoints/ckpt-*.pt``) are
+SECRET: they hold the noise key and the sampling key.
+
 ``longshield-fx inspect`` builds the training graph for one batch and shows what the passes
 did: node counts, the per-sample rule of every parameter, the inserted collectives and their
 bytes, and one transformer block's rewritten graph as SVG.
@@ -28,7 +37,7 @@ from pathlib import Path
 import torch
 
 PROG = "longshield-fx"
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: secret noise and sampling streams, one row per document
 _CKPT_RE = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 
@@ -44,21 +53,85 @@ def stdlib_files(max_files: int | None = None) -> list[Path]:
     return files[:max_files] if max_files else files
 
 
-def stdlib_corpus(seq_len: int, max_files: int | None = None) -> torch.Tensor:
-    """(N, seq_len) byte tokens from the standard library's .py files, in a fixed order.
+@dataclasses.dataclass
+class Corpus:
+    """One row per document (a stdlib file): the privacy unit is the document.
 
-    The files are concatenated (sorted by path, each followed by a newline) and cut into
-    consecutive rows of ``seq_len`` bytes; the tail that does not fill a row is dropped.
+    ``ids`` (N, T) holds each document's first T bytes, padded with byte 0; ``labels`` is
+    ``ids`` with -100 at the padding, so padding positions contribute 0 to ``CausalLMLoss``
+    (causal attention: the padding after a document never reaches its real tokens). A
+    document is therefore sampled as one row and clipped as one sample, whatever its length;
+    bytes past T are not used (``truncated`` documents, ``bytes_used`` of ``bytes_total``).
     """
-    data = bytearray()
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    lengths: list[int]  # bytes of each document (before truncation)
+    seq_len: int
+    skipped: int  # files with fewer than 2 bytes (no next-token pair): not in the corpus
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def truncated(self) -> int:
+        return sum(n > self.seq_len for n in self.lengths)
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(min(n, self.seq_len) for n in self.lengths)
+
+    @property
+    def fraction_used(self) -> float:
+        return self.bytes_used / self.bytes_total
+
+    def dataset(self):
+        from torch.utils.data import TensorDataset
+
+        return TensorDataset(self.ids, self.labels)
+
+    def stats(self) -> dict:
+        return {"documents": self.num_documents, "truncated_documents": self.truncated,
+                "bytes_used": self.bytes_used, "bytes_total": self.bytes_total,
+                "bytes_used_fraction": round(self.fraction_used, 6), "skipped_files_under_2_bytes": self.skipped}
+
+
+def stdlib_corpus(seq_len: int, max_files: int | None = None) -> Corpus:
+    """One row per standard-library .py file (sorted by path): its first ``seq_len`` bytes,
+    padded (label -100) when shorter. Files of fewer than 2 bytes are left out."""
+    rows, lengths, skipped = [], [], 0
     for f in stdlib_files(max_files):
-        data += f.read_bytes() + b"\n"
-    n = len(data) // seq_len
-    if n == 0:
-        raise CLIError(f"the corpus ({len(data)} bytes) is shorter than one sequence of {seq_len}; "
-                       "raise --max-files or lower --seq-len")
-    del data[n * seq_len:]
-    return torch.frombuffer(data, dtype=torch.uint8).view(n, seq_len).long()
+        data = f.read_bytes()
+        if len(data) < 2:
+            skipped += 1
+            continue
+        lengths.append(len(data))
+        rows.append(data[:seq_len])
+    if not rows:
+        raise CLIError("the corpus has no document of 2 bytes or more; raise --max-files")
+    ids = torch.zeros(len(rows), seq_len, dtype=torch.long)
+    labels = torch.full((len(rows), seq_len), -100, dtype=torch.long)
+    for i, data in enumerate(rows):
+        row = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        ids[i, :len(data)] = row
+        labels[i, :len(data)] = row
+    return Corpus(ids, labels, lengths, seq_len, skipped)
+
+
+def default_delta(num_documents: int) -> float:
+    """δ = min(1e-5, N^-1.1): well below 1/N (Ponomareva et al. 2023, "How to DP-fy ML",
+    recommend δ ≪ 1/N), so a mechanism that releases one whole record with probability δ
+    leaks far less than one record in expectation (N·δ ≤ N^-0.1)."""
+    return min(1e-5, float(num_documents) ** -1.1)
+
+
+PRIVACY_UNIT = "per document (add/remove one document)"
+NOT_COVERED = "not_covered_by_dp"
 
 
 # --- argument parsing -----------------------------------------------------------------------
@@ -117,7 +190,11 @@ def _model_args(p, seq_len_default):
                    help="clipping threshold C")
     p.add_argument("--physical-batch-size", type=positive_int, default=None, metavar="B",
                    help="rows per compiled step (the graph's fixed batch dimension)")
-    p.add_argument("--seed", type=int, default=0, help="seed of model init, Poisson sampling and noise")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model initialisation and dropout ONLY (inspect: also its random batch). The "
+                   "DP noise and the Poisson sampling never use it: they come from ChaCha20 streams keyed by "
+                   "256 bits from the OS, so two runs with the same --seed start from the same model but draw "
+                   "different batches and noise")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,13 +212,23 @@ def build_parser() -> argparse.ArgumentParser:
             "DP-SGD training of a byte-level causal LM on this machine's Python standard library sources\n"
             "(the embedded 'private codebase'): Poisson-sampled logical batches cut into fixed-shape masked\n"
             "physical batches, per-sample clipping and Gaussian noise inside the compiled graph, AdamW.\n"
-            "σ is calibrated before training so that ε after --steps steps is <= --target-epsilon at\n"
-            "δ = 1/N (N = number of sequences), unless --sigma is given.\n\n"
+            "The privacy unit is the DOCUMENT: one stdlib file is one row (its first T bytes; the rest of a\n"
+            "longer file is not used, and the truncation is reported), sampled and clipped as one sample, so ε\n"
+            "is per document (add/remove one document). σ is calibrated before training so that ε after\n"
+            "--steps steps is <= --target-epsilon at δ = min(1e-5, N^-1.1) (N = number of documents), unless\n"
+            "--sigma is given. The DP noise and the sampling come from secret ChaCha20 streams keyed by the OS;\n"
+            "--seed seeds the model initialisation only.\n\n"
             "Writes to --out: metrics.jsonl (one JSON line per step), loss_vs_epsilon.png, summary.json,\n"
-            "final_model.pt (the trained model's state dict) and checkpoints/ckpt-<step>.pt.\n\n"
+            "final_model.pt (the trained model's state dict: covered by ε) and checkpoints/ckpt-<step>.pt.\n"
+            "Training losses, timings and counts (non-finite samples; batch sizes and tokens only with\n"
+            "--log-private-stats) come from the private data without noise: they are NOT covered by ε and\n"
+            "are written only under the key 'not_covered_by_dp'. Checkpoints are SECRET: they hold the\n"
+            "noise key and the sampling key (anyone holding them can subtract the noise); keep them like the\n"
+            "data.\n\n"
             "Context parallel: torchrun --standalone --nproc-per-node 2 -m longshield_fx train --cp 2\n"
             "(world size W = dp * cp; each of the W/cp data-parallel groups takes a share of every\n"
-            "logical batch; all ranks read the same corpus with the same seeds; rank 0 prints and writes)."))
+            "logical batch; all ranks read the same corpus and build the same model from --seed, rank 0's noise\n"
+            "and sampling keys are broadcast to all; rank 0 prints and writes)."))
     _model_args(t, seq_len_default=2048)
     t.set_defaults(physical_batch_size=4)
     t.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (Poisson logical batches)")
@@ -153,8 +240,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sigma", type=nonneg_float, default=None,
                    help="noise multiplier σ, instead of calibrating one from --target-epsilon")
     t.add_argument("--delta", type=positive_float, default=None,
-                   help="δ of the (ε, δ) guarantee (default: 1/N, N = number of sequences)")
-    t.add_argument("--accountant", choices=["rdp", "pld"], default="rdp", help="privacy accountant")
+                   help="δ of the (ε, δ) guarantee, per document (default: min(1e-5, N^-1.1), N = number of "
+                   "documents: well below 1/N, as Ponomareva et al. 2023 'How to DP-fy ML' recommend, so that "
+                   "a mechanism leaking one whole document with probability δ leaks far less than one "
+                   "document in expectation)")
+    t.add_argument("--accountant", choices=["pld", "rdp"], default="pld",
+                   help="privacy accountant (dp-accounting): pld is the tightest, rdp is looser")
+    t.add_argument("--insecure-seed", type=int, default=None, metavar="N",
+                   help="TESTS ONLY, VOIDS THE PRIVACY GUARANTEE: derive the noise key and the sampling key from "
+                   "this public seed (separate keys), so runs are reproducible by anyone; a warning is printed "
+                   "and the seed is recorded in summary.json and signature.json")
+    t.add_argument("--log-private-stats", action="store_true",
+                   help="also write the logical batch size and token counts of every step (under "
+                   "'not_covered_by_dp' in metrics.jsonl and summary.json): they are computed from the private "
+                   "data without noise and are NOT covered by ε")
     t.add_argument("--lr", type=positive_float, default=2e-3, help="AdamW learning rate")
     t.add_argument("--weight-decay", type=nonneg_float, default=0.01, help="AdamW weight decay")
     t.add_argument("--max-files", type=nonneg_int, default=400,
@@ -163,14 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the model and the compiled step run (cuda: NCCL under torchrun; written for the "
                    "CUDA attention kernels but not yet run on a GPU)")
     t.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory (default: runs/train, or the --resume directory)")
+                   help="output directory (default: runs/train, or the --resume directory). Its checkpoints/ are "
+                   "SECRET: they hold the noise key and the sampling key")
     t.add_argument("--save-every", type=nonneg_int, default=25, metavar="K",
                    help="write a checkpoint every K steps and at the end (0: never)")
     t.add_argument("--keep-checkpoints", type=positive_int, default=2, metavar="N",
                    help="keep the N newest checkpoints, delete older ones")
     t.add_argument("--resume", default=None, metavar="DIR",
                    help="continue exactly from the newest complete checkpoint of the run in DIR (its --out, "
-                   "or its checkpoints/ folder); refused if the model, DP config, T or batch sizes differ")
+                   "or its checkpoints/ folder); refused if the model, DP config, T or batch sizes differ. The "
+                   "checkpoint is SECRET (noise and sampling keys): the resumed run continues the same streams")
     t.set_defaults(func=train)
 
     i = sub.add_parser(
@@ -441,56 +542,70 @@ def train(args) -> int:
     mesh, dp, dp_rank = setup_distributed(args.cp, args.device, "train")
     rank0 = _RANK == 0
 
-    tokens = stdlib_corpus(args.seq_len, args.max_files or None)
-    N, T = len(tokens), args.seq_len
+    corpus = stdlib_corpus(args.seq_len, args.max_files or None)
+    N, T = corpus.num_documents, args.seq_len
     if args.expected_batch_size > N:
         raise CLIError(f"--expected-batch-size {args.expected_batch_size:g} exceeds the corpus size N = {N} "
-                       "sequences; lower it, lower --seq-len or raise --max-files")
+                       "documents; lower it or raise --max-files")
     q = args.expected_batch_size / N
-    expected = q * N
-    delta = args.delta if args.delta is not None else 1.0 / N
-    if args.sigma is not None:
+    delta = args.delta if args.delta is not None else default_delta(N)
+    insecure = args.insecure_seed
+    accountant_name = args.accountant.upper()
+
+    model, model_desc, model_name = build_model(args)  # the only use of --seed (and dropout's RNG)
+    device = torch.device(args.device)
+    model.to(device)
+
+    def make_signature(sigma):
+        return _jsonable({
+            "model": model_desc, "init_seed": args.seed,
+            "dp": {"max_grad_norm": args.max_grad_norm, "noise_multiplier": sigma, "clipping": args.clipping,
+                   "sample_rate": q, "delta": delta, "accountant": args.accountant, "insecure_seed": insecure,
+                   "target_epsilon": None if args.sigma is not None else args.target_epsilon},
+            "seq_len": T, "physical_batch_size": args.physical_batch_size,
+            "expected_batch_size": args.expected_batch_size, "steps": args.steps,
+            "corpus": {"unit": "document", "num_documents": N, "max_files": args.max_files},
+            "optimizer": {"name": "AdamW", "lr": args.lr, "weight_decay": args.weight_decay},
+        })
+
+    state = None
+    if ckpt_folder is not None:  # refuse a different run before calibrating and compiling
+        state, path = load_latest(ckpt_folder)
+        saved = state["signature"]
+        sigma = args.sigma if args.sigma is not None else saved.get("dp", {}).get("noise_multiplier")
+        diffs = signature_diff(saved, make_signature(sigma))
+        if diffs:
+            raise CLIError(f"refusing to resume from {path}: it was written by a different run ("
+                           + "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "") + ")")
+        # Same calibration inputs (target ε, δ, q, steps, accountant): the checkpoint's σ is the calibrated one.
+    elif args.sigma is not None:
         sigma = args.sigma
     else:
         sigma = lf.calibrate_noise(args.target_epsilon, delta, q, args.steps, method=args.accountant)
-
-    model, model_desc, model_name = build_model(args)
-    device = torch.device(args.device)
-    model.to(device)
-    config = lf.DPConfig(args.max_grad_norm, sigma, clipping=args.clipping, sample_rate=q, seed=args.seed,
-                         accountant=args.accountant)
+    signature = make_signature(sigma)
+    # No seed: the noise key is 256 bits from the OS (rank 0's, broadcast), unless --insecure-seed.
+    config = lf.DPConfig(args.max_grad_norm, sigma, clipping=args.clipping, accountant=args.accountant,
+                         insecure_seed=insecure)
     engine = lf.compile(model, mesh, config=config, checkpoint=None if args.checkpoint == "none" else args.checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    batches = PoissonBatches(tokens, sample_rate=q, physical_batch_size=args.physical_batch_size,
-                             seed=args.seed, steps=args.steps)
-    signature = _jsonable({
-        "model": model_desc,
-        "dp": {"max_grad_norm": args.max_grad_norm, "noise_multiplier": sigma, "clipping": args.clipping,
-               "sample_rate": q, "delta": delta, "seed": args.seed, "accountant": args.accountant,
-               "target_epsilon": None if args.sigma is not None else args.target_epsilon},
-        "seq_len": T, "physical_batch_size": args.physical_batch_size,
-        "expected_batch_size": args.expected_batch_size, "steps": args.steps,
-        "corpus": {"num_sequences": N, "max_files": args.max_files},
-        "optimizer": {"name": "AdamW", "lr": args.lr, "weight_decay": args.weight_decay},
-    })
+    # Built at the same point on every rank (its key is broadcast from rank 0); one row = one document.
+    batches = PoissonBatches(corpus.dataset(), sample_rate=q, physical_batch_size=args.physical_batch_size,
+                             insecure_seed=insecure, steps=args.steps)
+    expected = batches.expected_batch_size
 
     n_params = sum(p.numel() for p in model.parameters())
     metrics_path = run_dir / "metrics.jsonl"
     start_step, tokens_seen, elapsed_before = 0, 0, 0.0
-    if ckpt_folder is not None:
-        state, path = load_latest(ckpt_folder)
-        diffs = signature_diff(state["signature"], signature)
-        if diffs:
-            raise CLIError(f"refusing to resume from {path}: it was written by a different run ("
-                           + "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "") + ")")
+    if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        batches.load_state_dict(state["sampler"])
-        engine.load_state_dict(state["engine"])
+        batches.load_state_dict(state["sampler"])  # continues the same secret sampling stream
+        engine.load_state_dict(state["engine"])  # accountant and the same secret noise stream
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"])
         start_step, tokens_seen, elapsed_before = state["step"], state["tokens"], state["elapsed_s"]
+        state = None
     # Metrics of the steps before the checkpoint (lines written after it by a killed run are dropped).
     rows = _read_metrics((resumed_run if args.resume else run_dir) / "metrics.jsonl", upto=start_step) \
         if start_step else []
@@ -505,11 +620,23 @@ def train(args) -> int:
     world = f"cp={args.cp}, dp={dp}" if mesh is not None else "one process"
     _say(f"model: {model_name}, {n_params:,} parameters, T={T}, {world}, device {device.type}, "
          f"checkpointing {args.checkpoint}")
-    _say(f"corpus: {N} sequences of {T} bytes from {args.max_files or 'all'} stdlib files; Poisson q = {q:.4g} "
-         f"(E[B] = {expected:g}), physical batch {args.physical_batch_size}")
+    _say(f"corpus: {N} documents (one stdlib file per row, its first {T} bytes; the privacy unit is the document); "
+         f"{corpus.truncated} truncated to {T} bytes, {corpus.fraction_used:.1%} of the corpus bytes used"
+         + (f", {corpus.skipped} file{'s' * (corpus.skipped != 1)} under 2 bytes left out" if corpus.skipped else "")
+         + " (these counts are NOT covered by DP)")
+    _say(f"sampling: Poisson q = {q:.4g} (E[B] = {expected:g} documents), physical batch {args.physical_batch_size}")
     how = "given" if args.sigma is not None else f"calibrated for ε = {args.target_epsilon:g} over {args.steps} steps"
-    _say(f"privacy: σ = {sigma:.4g} ({how}), δ = {delta:.3g}, C = {args.max_grad_norm:g}, {args.clipping} clipping, "
-         f"{args.accountant} accountant")
+    if args.delta is None:
+        why = f"min(1e-5, N^-1.1) for N = {N} documents, well below 1/N = {1 / N:.3g}"
+    else:
+        why = "given" + ("" if delta < 1 / N else f"; NOT below 1/N = {1 / N:.3g}: a mechanism that releases one "
+                         "whole document with probability δ would satisfy this guarantee")
+    _say(f"privacy: σ = {sigma:.4g} ({how}), δ = {delta:.3g} ({why}), C = {args.max_grad_norm:g}, "
+         f"{args.clipping} clipping, {accountant_name} accountant, ε {PRIVACY_UNIT}")
+    if insecure is not None:
+        _say(f"WARNING: --insecure-seed {insecure}: the DP noise and the Poisson sampling are derived from a public "
+             "seed; anyone who knows it can regenerate the noise and subtract it. NO privacy guarantee holds for "
+             "this run (tests only).")
     if start_step:
         _say(f"resumed from {path} at step {start_step}/{args.steps}, ε so far {engine.epsilon(delta):.3f}"
              + (" (the run had already finished)" if start_step >= args.steps else ""))
@@ -519,7 +646,7 @@ def train(args) -> int:
     def save(step):
         if not rank0:
             return
-        state = {
+        state = {  # SECRET: the sampler's and the engine's states hold the sampling and noise keys
             "format": CHECKPOINT_FORMAT, "complete": True, "step": step, "signature": signature,
             "model": model.state_dict(), "optimizer": opt.state_dict(), "sampler": batches.state_dict(),
             "engine": engine.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -532,6 +659,7 @@ def train(args) -> int:
             old.unlink(missing_ok=True)
 
     dp_group = mesh["dp"].get_group() if dp > 1 else None
+    reduce_device = device if dp_group is not None and dist.get_backend(dp_group) == "nccl" else torch.device("cpu")
     t_loop = time.time()
     startup = t_loop - t_start
     bar = tqdm(total=args.steps, initial=start_step, desc="train", disable=not rank0, unit="step",
@@ -545,67 +673,112 @@ def train(args) -> int:
                 mine = physical[dp_rank::dp] or [(physical[0][0], torch.zeros_like(physical[0][1]))]
             else:
                 mine = physical
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            for (ids,), mask in mine:
-                ids = ids.to(device)
-                loss_sum += engine.accumulate(ids, ids, mask=mask.to(device)).detach().double().cpu()
-            engine.finalize(expected)
+            nonfinite_before = engine.nonfinite_samples
+            # loss sum, predicted tokens, real tokens of this rank's real rows (NOT covered by DP)
+            stats = torch.zeros(4, dtype=torch.float64)
+            for (ids, labels), mask in mine:
+                real = mask.bool()
+                loss_sum = engine.accumulate(ids.to(device), labels.to(device), mask=mask.to(device))
+                stats[0] += loss_sum.detach().double().cpu()
+                stats[1] += int((labels[real, 1:] != -100).sum())
+                stats[2] += int((labels[real] != -100).sum())
+            # cp ranks of a dp group count the same samples (norms are all-reduced over cp): sum over dp only
+            stats[3] = engine.nonfinite_samples - nonfinite_before
+            engine.finalize(logical)  # every dp rank, with the same logical batch: q and E[B] from the sampler
             opt.step()
             opt.zero_grad(set_to_none=True)
             if dp_group is not None:
-                dist.all_reduce(loss_sum, group=dp_group)
+                stats = stats.to(reduce_device)
+                dist.all_reduce(stats, group=dp_group)
+                stats = stats.cpu()
             eps = engine.epsilon(delta)
-            tokens_seen += logical.size * T
+            tokens_seen += int(stats[2])
             elapsed = elapsed_before + time.time() - t_loop
-            loss = float(loss_sum) / (logical.size * (T - 1)) if logical.size else None
+            loss = float(stats[0]) / float(stats[1]) if stats[1] > 0 else None
             last_loss = loss if loss is not None else last_loss
-            row = {"step": step, "loss": loss, "batch_size": logical.size, "epsilon": eps, "delta": delta,
-                   "sigma": sigma, "tokens": tokens_seen, "elapsed_s": round(elapsed, 3),
-                   "tokens_per_s": round(tokens_seen / max(elapsed, 1e-9), 1)}
+            # elapsed_s too: each physical batch takes time, so per-step timings trace the batch sizes
+            private = {"train_loss": loss, "nonfinite_samples": int(stats[3]), "elapsed_s": round(elapsed, 3)}
+            if args.log_private_stats:
+                private.update(logical_batch_size=logical.size, tokens=tokens_seen,
+                               tokens_per_s=round(tokens_seen / max(elapsed, 1e-9), 1))
+            row = {"step": step, "epsilon": eps, "delta": delta, "sigma": sigma, NOT_COVERED: private}
             rows.append(row)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
                 save(step)
-            bar.set_postfix_str(f"loss={'-' if last_loss is None else f'{last_loss:.3f}'} ε={eps:.2f} "
-                                f"tok/s={row['tokens_per_s']:.0f}", refresh=False)
+            bar.set_postfix_str(f"ε={eps:.2f} loss(not DP)={'-' if last_loss is None else f'{last_loss:.3f}'}",
+                                refresh=False)
             bar.update()
     bar.close()
 
+    def private_of(row):
+        return row.get(NOT_COVERED) or {}
+
+    eps = engine.epsilon(delta)
     if rank0:
         final = run_dir / "final_model.pt"
         atomic_save(model.state_dict(), final)
         from .plots import loss_vs_epsilon
 
-        png = loss_vs_epsilon(rows, run_dir / "loss_vs_epsilon.png",
-                              title=f"{model_name}, T={T}, E[B]={expected:g}, σ={sigma:.3g}")
-    eps = engine.epsilon(delta)
-    losses = [r["loss"] for r in rows if r["loss"] is not None]
+        png = loss_vs_epsilon([{"epsilon": r["epsilon"], "loss": private_of(r).get("train_loss")} for r in rows],
+                              run_dir / "loss_vs_epsilon.png", title=plot_title(model_name, T, expected, sigma))
+    losses = [private_of(r)["train_loss"] for r in rows if private_of(r).get("train_loss") is not None]
+    nonfinite = sum(private_of(r).get("nonfinite_samples", 0) for r in rows)
     k = min(5, max(1, len(losses) // 2))
     first = sum(losses[:k]) / k if losses else float("nan")
     last = sum(losses[-k:]) / k if losses else float("nan")
     wall = time.time() - t_start
     loop = time.time() - t_loop
+    done = max(1, args.steps - start_step)
+    c = corpus.stats()
+    private = {
+        "train_loss_first": losses[0] if losses else None, "train_loss_last": losses[-1] if losses else None,
+        f"train_loss_first{k}_mean": first, f"train_loss_last{k}_mean": last, "nonfinite_samples": nonfinite,
+        "wall_s": round(wall, 2), "s_per_step": round(loop / done, 4),  # timings trace the batch sizes
+        "corpus": {key: c[key] for key in ("truncated_documents", "bytes_used", "bytes_total", "bytes_used_fraction",
+                                           "skipped_files_under_2_bytes")},
+    }
+    if args.log_private_stats:
+        private["tokens"] = tokens_seen
+        private["tokens_per_s"] = rows[-1][NOT_COVERED].get("tokens_per_s") if rows else None
     summary = {
-        "steps": args.steps, "resumed_from": start_step or None, "epsilon": eps, "delta": delta,
+        "steps": args.steps, "resumed_from": start_step or None,
+        "privacy_unit": "document (add/remove one document)", "epsilon": eps, "delta": delta,
+        "delta_rule": "min(1e-5, N^-1.1)" if args.delta is None else "given", "accountant": args.accountant,
         "target_epsilon": None if args.sigma is not None else args.target_epsilon, "sigma": sigma,
-        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-        f"loss_first{k}_mean": first, f"loss_last{k}_mean": last,
-        "wall_s": round(wall, 2), "startup_s": round(startup, 2),
-        "tokens_per_s": rows[-1]["tokens_per_s"] if rows else None, "parameters": n_params,
+        "sample_rate": q, "expected_batch_size": expected, "max_grad_norm": args.max_grad_norm,
+        "insecure_seed": insecure, "privacy_void": insecure is not None, "init_seed": args.seed,
+        "corpus": {"documents": N, "seq_len": T, "max_files": args.max_files},
+        "startup_s": round(startup, 2), "parameters": n_params,
+        NOT_COVERED: private,
     }
     if rank0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     budget = f" <= target {args.target_epsilon:g}" if args.sigma is None and eps <= args.target_epsilon else (
         f" > target {args.target_epsilon:g}!" if args.sigma is None else "")
+    speed = f"{loop / done:.2f} s/step (timings trace the batch sizes: NOT covered by DP)"
+    if args.log_private_stats and private.get("tokens_per_s") is not None:
+        speed += f", {private['tokens_per_s']:.0f} tokens/s (NOT covered by DP)"
     _say(f"done: {args.steps} steps in {_fmt_time(wall)} (startup {_fmt_time(startup)}, training {_fmt_time(loop)}), "
-         f"{summary['tokens_per_s'] or 0:.0f} tokens/s")
-    _say(f"loss/token: {first:.3f} -> {last:.3f} (mean of the first/last {k} non-empty steps)")
-    _say(f"privacy: ε = {eps:.3f}{budget} at δ = {delta:.3g} (σ = {sigma:.4g}, q = {q:.4g}, {args.steps} steps)")
+         f"{speed}")
+    _say(f"training loss/token (NOT covered by DP): {first:.3f} -> {last:.3f} (mean of the first/last {k} non-empty "
+         f"steps); non-finite per-sample gradients (NOT covered by DP): {nonfinite}")
+    _say(f"privacy: ε = {eps:.3f} {PRIVACY_UNIT}, δ = {delta:.3g}, {accountant_name} accountant{budget} "
+         f"(σ = {sigma:.4g}, q = {q:.4g}, {args.steps} steps)"
+         + (f"; VOID: --insecure-seed {insecure} made the noise and the sampling public" if insecure is not None
+            else ""))
     if rank0:
         _say(f"wrote {metrics_path}, {png}, {final}" +
-             (f", checkpoints in {checkpoint_dir(run_dir)}" if args.save_every else ""))
+             (f", checkpoints in {checkpoint_dir(run_dir)} (SECRET: noise and sampling keys)" if args.save_every
+              else ""))
     return 0
+
+
+def plot_title(model_name: str, T: int, expected: float, sigma: float) -> str:
+    return (f"{model_name}, T={T}, E[B]={expected:g}, σ={sigma:.3g}\nε {PRIVACY_UNIT}\n"
+            "training loss: NOT covered by DP (no noise)")
+
 
 
 # --- inspect --------------------------------------------------------------------------------
@@ -754,7 +927,7 @@ def inspect(args) -> int:
     else:
         mesh, dp, _ = setup_distributed(args.cp, "cpu", "inspect")
     model, _, model_name = build_model(args)
-    config = lf.DPConfig(args.max_grad_norm, 1.0, clipping=args.clipping, seed=args.seed)
+    config = lf.DPConfig(args.max_grad_norm, 1.0, clipping=args.clipping)  # graph only: no noise drawn
     engine = lf.compile(model, mesh, config=config, checkpoint=None if args.checkpoint == "none" else args.checkpoint)
     ids = torch.randint(0, 256, (args.physical_batch_size, args.seq_len),
                         generator=torch.Generator().manual_seed(args.seed))

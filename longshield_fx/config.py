@@ -16,16 +16,16 @@ class DPConfig:
     noise_multiplier: σ (≥ 0); ``finalize`` adds N(0, σ²C²) once per coordinate.
     clipping: "flat" (one norm over all parameters, default), "per_layer" (each parameter
         a group with threshold C/sqrt(K)), or "automatic" (C / (‖g‖ + automatic_gamma)).
-    sample_rate: Poisson sampling rate q, for privacy accounting (``engine.epsilon``).
-    seed: seed of the noise generator; None draws it from the operating system.
-    secure_rng: seed the noise generator from the operating system's entropy; refuses ``seed``
-        (which is what a None seed does too: the flag makes it impossible to pass one by
-        mistake). The generator itself is torch's (Mersenne Twister on CPU, Philox on CUDA),
-        not a cryptographically secure one.
+    secure_rng: the noise is always drawn from a ChaCha20 stream keyed by 256 bits from the
+        operating system (``runtime/noise.py``); True (default) also guards against
+        floating-point attacks by summing four draws per value (Opacus' secure mode), at four
+        times the stream. False draws one value per coordinate from the same secret stream.
+    insecure_seed: TESTS ONLY. Derives the noise key from this public seed (with a warning):
+        anyone who knows it can regenerate the noise and subtract it, so no privacy holds.
     compute_dtype: dtype of the forward/backward (e.g. torch.bfloat16); parameters stay in
         their own dtype, norms and sums are fp32, and there is no loss scaling (a scaled
         loss would scale the clipping threshold, see dp-zero.md appendix C).
-    accountant: "rdp" or "pld" (both from dp-accounting).
+    accountant: "pld" (default, the tightest) or "rdp" (both from dp-accounting).
     per_sample_comm: under context parallelism, "input_stationary" (default: local einsum,
         then reduce-scatter; bytes constant in T) or "output_stationary" (gather activations
         and activation gradients, then a local einsum; bytes grow with T), longshield.md 3.2.
@@ -34,13 +34,12 @@ class DPConfig:
     max_grad_norm: float
     noise_multiplier: float
     clipping: str = "flat"
-    sample_rate: float | None = None
-    seed: int | None = None
-    secure_rng: bool = False
+    secure_rng: bool = True
     compute_dtype: torch.dtype = torch.float32
     automatic_gamma: float = 0.01
-    accountant: str = "rdp"
+    accountant: str = "pld"
     per_sample_comm: str = "input_stationary"
+    insecure_seed: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
@@ -49,11 +48,8 @@ class DPConfig:
             raise ValueError(f"DPConfig: noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
         if self.clipping not in CLIPPING_MODES:
             raise ValueError(f"DPConfig: clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}")
-        if self.sample_rate is not None and not 0 < self.sample_rate <= 1:
-            raise ValueError(f"DPConfig: sample_rate must be in (0, 1], got {self.sample_rate!r}")
-        if self.secure_rng and self.seed is not None:
-            raise ValueError("DPConfig: secure_rng=True draws the noise seed from the operating system; "
-                             "do not pass seed (or set secure_rng=False for reproducible noise)")
+        if self.insecure_seed is not None and not isinstance(self.insecure_seed, int):
+            raise ValueError(f"DPConfig: insecure_seed must be an int or None, got {self.insecure_seed!r}")
         if self.automatic_gamma <= 0:
             raise ValueError(f"DPConfig: automatic_gamma must be > 0, got {self.automatic_gamma!r}")
         if self.accountant not in ("rdp", "pld"):

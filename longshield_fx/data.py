@@ -23,6 +23,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from .runtime.noise import KeyStream, broadcast_key, key_from_insecure_seed
+
 __all__ = ["LogicalBatch", "PoissonBatches"]
 
 
@@ -36,11 +38,15 @@ class LogicalBatch:
     dataset field (a 1-tuple for a plain-tensor dataset), each with leading
     dimension ``physical_batch_size``; ``mask`` is a float32 tensor of shape
     ``(physical_batch_size,)``. ``sum(mask.sum() for _, mask in physical) == size``.
+    ``sample_rate`` and ``expected_size`` (q·N) are the sampler's: ``engine.finalize(batch)``
+    divides by the expected size and accounts the step at this q, so q has one source.
     """
 
     size: int
     indices: torch.Tensor
     physical: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+    sample_rate: float
+    expected_size: float
 
 
 class PoissonBatches:
@@ -53,11 +59,11 @@ class PoissonBatches:
         sample_rate: q in (0, 1]; every example is included in every logical
             batch independently with this probability.
         physical_batch_size: rows per physical batch, >= 1.
-        seed: seeds the sampling generator, so runs are reproducible. ``None``
-            seeds from OS entropy (``Generator.seed()``).
-        generator: use this ``torch.Generator`` (e.g. on another device)
-            instead of a fresh CPU one; it is re-seeded with ``seed`` unless
-            ``seed`` is None, in which case its current state is used.
+        insecure_seed: TESTS ONLY. By default the inclusion draws come from a
+            ChaCha20 stream keyed by 256 bits from the OS (``runtime/noise.py``;
+            the accountant's amplification by sampling assumes nobody can tell
+            who was sampled). A seed makes the batches reproducible by anyone who
+            knows it, and warns. Its stream is never the noise's.
         steps: logical batches per epoch (``len(self)``); default
             ``round(1 / q)``, so that an epoch sees each example once in
             expectation. "Epoch" is only a loop boundary: steps are i.i.d.
@@ -73,6 +79,12 @@ class PoissonBatches:
     the step (or its noise) would release, without noise, whether the batch
     was empty.
 
+    Under ``torch.distributed`` every rank must build the sampler at the same
+    point: rank 0's key is broadcast, so all ranks draw the same logical batches.
+
+    Inclusion is exact to float64: example i joins iff a 53-bit uniform integer is
+    below ``ceil(q * 2**53)``, so the rate is q within 2**-53 (even at q = 1e-9).
+
     Iteration resumes where it left off: ``iter()`` yields the remaining steps
     of the current epoch (all ``len(self)`` at an epoch boundary). Together
     with :meth:`state_dict` / :meth:`load_state_dict` this makes a resumed run
@@ -84,9 +96,8 @@ class PoissonBatches:
         dataset: Any,
         sample_rate: float,
         physical_batch_size: int,
-        seed: Optional[int],
         *,
-        generator: Optional[torch.Generator] = None,
+        insecure_seed: Optional[int] = None,
         steps: Optional[int] = None,
     ) -> None:
         if not (isinstance(sample_rate, numbers.Real) and 0.0 < sample_rate <= 1.0):
@@ -97,8 +108,8 @@ class PoissonBatches:
             )
         if steps is not None and (not _is_int(steps) or steps < 1):
             raise ValueError(f"steps must be an integer >= 1 or None, got {steps!r}")
-        if seed is not None and not _is_int(seed):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if insecure_seed is not None and not _is_int(insecure_seed):
+            raise ValueError(f"insecure_seed must be an integer or None, got {insecure_seed!r}")
 
         self._fields, self._single = _as_fields(dataset)
         self._dataset = dataset
@@ -110,11 +121,9 @@ class PoissonBatches:
         self.physical_batch_size = int(physical_batch_size)
         self._steps = int(steps) if steps is not None else max(1, round(1.0 / self.sample_rate))
 
-        self._generator = generator if generator is not None else torch.Generator()
-        if seed is not None:
-            self._generator.manual_seed(int(seed))
-        elif generator is None:
-            self._generator.seed()
+        self._threshold = math.ceil(self.sample_rate * 2.0 ** 53)
+        key = None if insecure_seed is None else key_from_insecure_seed(insecure_seed, "sampling")
+        self._stream = KeyStream(broadcast_key(key))
         self._step = 0
 
     # -- sizes -----------------------------------------------------------------
@@ -145,9 +154,8 @@ class PoissonBatches:
             yield self._next_batch()
 
     def _next_batch(self) -> LogicalBatch:
-        g = self._generator
-        include = torch.rand(self._n, generator=g, device=g.device) < self.sample_rate
-        indices = include.nonzero().squeeze(1).cpu()
+        include = self._stream.uniform53(self._n) < self._threshold
+        indices = include.nonzero().squeeze(1)
         self._step += 1
 
         size = int(indices.numel())
@@ -161,7 +169,8 @@ class PoissonBatches:
         for k in range(num_physical):
             rows = padded[k * p : (k + 1) * p]
             physical.append((self._gather(rows), mask[k * p : (k + 1) * p].clone()))
-        return LogicalBatch(size=size, indices=indices, physical=physical)
+        return LogicalBatch(size=size, indices=indices, physical=physical,
+                            sample_rate=self.sample_rate, expected_size=self.expected_batch_size)
 
     def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._fields is not None:
@@ -174,10 +183,13 @@ class PoissonBatches:
     # -- checkpointing ---------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Step counter and generator state (plus q and N, checked on load)."""
+        """Step counter and sampling stream (plus q and N, checked on load).
+
+        SECRET: the stream's key tells who will be (and was) sampled.
+        """
         return {
             "step": self._step,
-            "generator_state": self._generator.get_state(),
+            "stream": self._stream.state_dict(),
             "sample_rate": self.sample_rate,
             "num_examples": self._n,
         }
@@ -188,7 +200,7 @@ class PoissonBatches:
         Refuses a state saved with a different q or dataset size: it would
         silently change the sampling distribution the accountant assumes.
         """
-        for key in ("step", "generator_state"):
+        for key in ("step", "stream"):
             if key not in state:
                 raise ValueError(
                     f"state is missing {key!r}; expected a PoissonBatches.state_dict()"
@@ -203,7 +215,7 @@ class PoissonBatches:
                 f"state was saved for a dataset of {state['num_examples']} examples, "
                 f"this one has {self._n}"
             )
-        self._generator.set_state(state["generator_state"])
+        self._stream.load_state_dict(state["stream"])
         self._step = int(state["step"])
 
 

@@ -6,7 +6,15 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 import longshield_fx as lf
+from longshield_fx.data import LogicalBatch
 from longshield_fx.models import Llama
+
+
+def logical(size: int, expected_size: float = 1.0, sample_rate: float = 1.0) -> LogicalBatch:
+    """A logical batch of ``size`` real samples, for ``engine.finalize`` in tests that pass
+    their physical batches by hand (``expected_size`` is the divisor)."""
+    return LogicalBatch(size=size, indices=torch.arange(size), physical=[], sample_rate=sample_rate,
+                        expected_size=expected_size)
 
 
 def vmap_per_sample_grads(model: nn.Module, batch) -> dict:

@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
 from longshield_fx.data import LogicalBatch, PoissonBatches
+from longshield_fx.runtime.noise import InsecureSeedWarning
+
+pytestmark = pytest.mark.filterwarnings("ignore::longshield_fx.runtime.noise.InsecureSeedWarning")
 
 
 def _tokens(n, t=4):
@@ -68,7 +71,7 @@ def _datasets(n):
 def test_dataset_kinds(kind):
     n, p = 23, 4
     dataset = _datasets(n)[kind]
-    loader = PoissonBatches(dataset, 0.3, p, seed=0, steps=20)
+    loader = PoissonBatches(dataset, 0.3, p, steps=20)
     for batch in loader:
         _check_batch(batch, dataset, n, p)
 
@@ -80,10 +83,10 @@ def test_dataset_kinds(kind):
     p=st.integers(1, 17),
     seed=st.integers(0, 2**31),
 )
-def test_invariants_random_configs(n, q, p, seed):
+def test_invariants_random_configs(n, q, p, seed):  # the seed keeps hypothesis' examples replayable
     """Fixed physical shapes, prefix masks summing to size, real rows then row-0 pads."""
     dataset = TensorDataset(_tokens(n), torch.arange(n))
-    loader = PoissonBatches(dataset, q, p, seed, steps=5)
+    loader = PoissonBatches(dataset, q, p, insecure_seed=seed, steps=5)
     batches = list(loader)
     assert len(batches) == 5 == len(loader)
     for batch in batches:
@@ -92,7 +95,7 @@ def test_invariants_random_configs(n, q, p, seed):
 
 def test_empty_logical_batch_is_one_fully_masked_physical_batch():
     dataset = _tokens(3)
-    loader = PoissonBatches(dataset, 0.01, 8, seed=1, steps=50)
+    loader = PoissonBatches(dataset, 0.01, 8, steps=50)
     empties = [b for b in loader if b.size == 0]
     assert empties, "q=0.01 with N=3 should give empty batches"
     for b in empties:
@@ -104,7 +107,7 @@ def test_empty_logical_batch_is_one_fully_masked_physical_batch():
 
 def test_full_sampling_rate_takes_everything():
     n = 10
-    loader = PoissonBatches(_tokens(n), 1.0, 4, seed=0)
+    loader = PoissonBatches(_tokens(n), 1.0, 4)
     assert len(loader) == 1
     (batch,) = list(loader)
     assert batch.size == n and torch.equal(batch.indices, torch.arange(n))
@@ -113,7 +116,7 @@ def test_full_sampling_rate_takes_everything():
 
 def test_mean_logical_batch_size_matches_binomial():
     n, q, steps = 100, 0.1, 2000
-    loader = PoissonBatches(_tokens(n, 1), q, 16, seed=123, steps=steps)
+    loader = PoissonBatches(_tokens(n, 1), q, 16, steps=steps)
     assert loader.expected_batch_size == pytest.approx(q * n)
     total = sum(b.size for b in loader)
     # total ~ Binomial(n * steps, q)
@@ -123,7 +126,7 @@ def test_mean_logical_batch_size_matches_binomial():
 
 def test_each_example_included_with_rate_q():
     n, q, steps = 50, 0.2, 1000
-    loader = PoissonBatches(torch.arange(n), q, 8, seed=7, steps=steps)
+    loader = PoissonBatches(torch.arange(n), q, 8, steps=steps)
     counts = torch.zeros(n)
     for batch in loader:
         counts[batch.indices] += 1
@@ -133,27 +136,38 @@ def test_each_example_included_with_rate_q():
 
 
 def test_len_defaults_to_round_inverse_rate_and_epochs_repeat():
-    assert len(PoissonBatches(_tokens(5), 0.3, 2, seed=0)) == 3
-    assert len(PoissonBatches(_tokens(5), 0.001, 2, seed=0)) == 1000
-    loader = PoissonBatches(_tokens(5), 0.5, 2, seed=0, steps=4)
+    assert len(PoissonBatches(_tokens(5), 0.3, 2)) == 3
+    assert len(PoissonBatches(_tokens(5), 0.001, 2)) == 1000
+    loader = PoissonBatches(_tokens(5), 0.5, 2, steps=4)
     assert len(list(loader)) == 4 and len(list(loader)) == 4
     assert loader.step == 8
 
 
-def test_seed_determines_sequence():
-    def sizes(seed):
-        return [b.indices.tolist() for b in PoissonBatches(_tokens(40), 0.3, 4, seed, steps=10)]
+def test_default_sampling_is_secret_and_insecure_seed_is_loud():
+    def draws(**kw):
+        return [b.indices.tolist() for b in PoissonBatches(_tokens(40), 0.3, 4, steps=10, **kw)]
 
-    assert sizes(5) == sizes(5)
-    assert sizes(5) != sizes(6)
+    assert draws() != draws()  # a fresh OS key each time: nobody can replay who was sampled
+    with pytest.warns(InsecureSeedWarning, match="sampling"):
+        first = draws(insecure_seed=5)
+    assert first == draws(insecure_seed=5) != draws(insecure_seed=6)
 
 
-def test_explicit_generator_is_used_and_reseeded():
-    g = torch.Generator()
-    a = [b.indices.tolist() for b in PoissonBatches(_tokens(30), 0.3, 4, 11, generator=g, steps=5)]
-    b = [b.indices.tolist() for b in PoissonBatches(_tokens(30), 0.3, 4, 11, steps=5)]
-    assert a == b
-    assert not torch.equal(g.get_state(), torch.Generator().manual_seed(11).get_state())
+def test_inclusion_rate_is_exact_to_float64_at_tiny_q():
+    for q in (1e-9, 1e-7, 0.3):
+        loader = PoissonBatches(_tokens(3), q, 2)
+        rate = loader._threshold / 2**53  # P(uniform53 < threshold)
+        assert rate >= q and rate - q <= 2**-53
+
+
+def test_inclusion_compares_53_bit_integers(monkeypatch):
+    loader = PoissonBatches(_tokens(4), 1e-9, 4, steps=1)
+    threshold = loader._threshold
+    values = torch.tensor([threshold - 1, threshold, 0, 2**53 - 1])
+    monkeypatch.setattr(loader._stream, "uniform53", lambda n, device="cpu": values[:n])
+    (batch,) = list(loader)
+    assert batch.indices.tolist() == [0, 2]
+    assert batch.sample_rate == 1e-9 and batch.expected_size == pytest.approx(4e-9)
 
 
 def _flatten(batches):
@@ -175,10 +189,10 @@ def _assert_same(a, b):
 def test_resume_reproduces_uninterrupted_sequence(stop_after):
     n, q, p, steps = 40, 0.25, 6, 7
     dataset = TensorDataset(_tokens(n), torch.arange(n))
-    reference = PoissonBatches(dataset, q, p, seed=3, steps=steps)
+    reference = PoissonBatches(dataset, q, p, insecure_seed=3, steps=steps)
     uninterrupted = _flatten(list(reference) + list(reference))  # two epochs
 
-    first = PoissonBatches(dataset, q, p, seed=3, steps=steps)
+    first = PoissonBatches(dataset, q, p, insecure_seed=3, steps=steps)
     seen = []
     it = iter(first)
     for _ in range(min(stop_after, steps)):
@@ -195,7 +209,7 @@ def test_resume_reproduces_uninterrupted_sequence(stop_after):
     state = torch.load(buf, weights_only=True)
     assert state["step"] == stop_after
 
-    resumed = PoissonBatches(dataset, q, p, seed=999, steps=steps)  # seed is overridden
+    resumed = PoissonBatches(dataset, q, p, steps=steps)  # its fresh key is replaced
     resumed.load_state_dict(state)
     rest = list(resumed)  # rest of the interrupted epoch
     if stop_after < steps:
@@ -204,28 +218,28 @@ def test_resume_reproduces_uninterrupted_sequence(stop_after):
 
 
 def test_load_state_dict_refuses_other_config():
-    state = PoissonBatches(_tokens(10), 0.5, 2, seed=0).state_dict()
+    state = PoissonBatches(_tokens(10), 0.5, 2).state_dict()
     with pytest.raises(ValueError, match="sample_rate"):
-        PoissonBatches(_tokens(10), 0.4, 2, seed=0).load_state_dict(state)
+        PoissonBatches(_tokens(10), 0.4, 2).load_state_dict(state)
     with pytest.raises(ValueError, match="examples"):
-        PoissonBatches(_tokens(11), 0.5, 2, seed=0).load_state_dict(state)
-    with pytest.raises(ValueError, match="generator_state"):
-        PoissonBatches(_tokens(10), 0.5, 2, seed=0).load_state_dict({"step": 0})
+        PoissonBatches(_tokens(11), 0.5, 2).load_state_dict(state)
+    with pytest.raises(ValueError, match="stream"):
+        PoissonBatches(_tokens(10), 0.5, 2).load_state_dict({"step": 0})
 
 
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
-        ((_tokens(5), 0.0, 2, 0), {}, r"sample_rate must be in \(0, 1\]"),
-        ((_tokens(5), -0.1, 2, 0), {}, r"sample_rate must be in \(0, 1\]"),
-        ((_tokens(5), 1.5, 2, 0), {}, r"sample_rate must be in \(0, 1\]"),
-        ((_tokens(5), 0.5, 0, 0), {}, r"physical_batch_size must be an integer >= 1"),
-        ((_tokens(5), 0.5, 2.5, 0), {}, r"physical_batch_size must be an integer >= 1"),
-        ((_tokens(5), 0.5, 2, 0), {"steps": 0}, r"steps must be an integer >= 1"),
-        ((torch.zeros(0, 4), 0.5, 2, 0), {}, r"dataset is empty"),
-        (([], 0.5, 2, 0), {}, r"dataset is empty"),
-        ((TensorDataset(torch.zeros(0, 3)), 0.5, 2, 0), {}, r"dataset is empty"),
-        (([1, 2, 3], 0.5, 2, 0), {}, r"dataset items must be tensors"),
+        ((_tokens(5), 0.0, 2), {}, r"sample_rate must be in \(0, 1\]"),
+        ((_tokens(5), -0.1, 2), {}, r"sample_rate must be in \(0, 1\]"),
+        ((_tokens(5), 1.5, 2), {}, r"sample_rate must be in \(0, 1\]"),
+        ((_tokens(5), 0.5, 0), {}, r"physical_batch_size must be an integer >= 1"),
+        ((_tokens(5), 0.5, 2.5), {}, r"physical_batch_size must be an integer >= 1"),
+        ((_tokens(5), 0.5, 2), {"steps": 0}, r"steps must be an integer >= 1"),
+        ((torch.zeros(0, 4), 0.5, 2), {}, r"dataset is empty"),
+        (([], 0.5, 2), {}, r"dataset is empty"),
+        ((TensorDataset(torch.zeros(0, 3)), 0.5, 2), {}, r"dataset is empty"),
+        (([1, 2, 3], 0.5, 2), {}, r"dataset items must be tensors"),
     ],
 )
 def test_validation(args, kwargs, match):

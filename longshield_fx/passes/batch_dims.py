@@ -1,19 +1,38 @@
-"""The ``batch_dims`` pass: tag every tensor's sample dimension; reject ops that mix samples.
+"""The ``batch_dims`` pass: tag every tensor's sample dimension; reject ops that mix samples
+or that make a sample's loss depend on its row position in the batch.
 
 Rewrites: nothing. It sets ``node.meta["batch_dim"]`` on every node to a ``BatchDim``
 (which dimension holds samples, and how many rows each sample owns in it when views
 folded the batch with other dimensions, e.g. B*T), to ``None`` for tensors that do not
 depend on any one sample (parameters, constants, position ids), or to a tuple of those for
-ops with several outputs.
+ops with several outputs. On every tensor tagged ``None`` it also sets
+``node.meta["varies"]``: the dimensions along which its entries may differ, each with a
+``Variation`` (the entries depend on the index along it only modulo ``period``, and the op
+that made them differ). A dimension not listed is uniform: every index holds the same values
+(a size-1 or expanded dimension, ``ones``/``full``/``zeros_like``, ``arange(T)`` broadcast
+over the batch).
 
 Assumes: every user input has the batch as dimension 0, of size ``ctx.batch_size``; the
 loss cotangent is (B,). Every op that touches a batched tensor has a rule below, matched
-on aten ops (never on module names).
+on aten ops (never on module names). An op whose rule does not say which dimensions of its
+untagged inputs line up with the batch (``aligned=`` of ``register_batch_rule``) is checked
+on every untagged dimension of the batch's size. An op without a variation rule is assumed to
+make its output differ along every dimension (``arange``, ``eye``, ``randperm``, ``rand``, an
+unknown op: refused wherever they line up with the batch, even if the values happen to be
+equal).
 
 Guarantees: in the forward, no op combines rows of different samples; otherwise
 ``UnsupportedModelError`` names the op and the module it came from. In the backward, a
 reduction over the batch dimension is allowed and tagged ``None``: those are the
-weight-gradient reductions the ``per_sample`` pass rewrites.
+weight-gradient reductions the ``per_sample`` pass rewrites. Forward and backward, no
+per-sample value depends on the row a sample sits in: an op that moves rows along the batch
+dimension (flip, roll, index/index_select/gather/take over it), or that combines per-sample
+data with an untagged value whose entries differ along the dimension lined up with the batch
+(a weight ``arange(B)``, ``ones(B).cumsum(0)``, a per-row parameter or constant tensor), is
+refused naming the op, its module, and the op that made the value. Removing one record
+shifts the later ones to new rows, so such a loss changes every sample's clipped gradient and
+the sum's add/remove sensitivity exceeds C. Position ids over the sequence, causal masks and
+per-token weights folded with the batch (B*T rows, constant per sample block) stay accepted.
 """
 from __future__ import annotations
 
@@ -43,6 +62,45 @@ def batch_dim(node) -> BatchDim | None:
     return node.meta.get("batch_dim") if isinstance(node, fx.Node) else None
 
 
+@dataclass(frozen=True)
+class Variation:
+    """Entries differ along a dimension, as a function of its index modulo ``period``.
+
+    ``period`` divides the dimension's size (the size itself: no known structure);
+    ``origin`` names the op that made them differ, for error messages.
+    """
+
+    period: int
+    origin: str
+
+
+def varies(node) -> dict[int, Variation]:
+    """Dimensions along which an untagged tensor's entries may differ (see the module docstring).
+
+    Parameters, buffers and constant tensors of the graph may differ along every dimension.
+    """
+    if not isinstance(node, fx.Node) or val(node) is None:
+        return {}
+    if "varies" in node.meta:
+        return node.meta["varies"]
+    return _everywhere(node)
+
+
+def _everywhere(node: fx.Node) -> dict[int, Variation]:
+    origin = _describe(node)
+    return {d: Variation(s, origin) for d, s in enumerate(val(node).shape) if s > 1}
+
+
+def _describe(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return f"graph input {node.name} (a parameter or buffer)"
+    if node.op == "get_attr":
+        return f"the tensor constant {node.target} (a torch.tensor(...) literal in the model)"
+    if node.target is operator.getitem:
+        node = node.args[0]
+    return f"{node.target} (node {node.name}) in {module_of(node)}"
+
+
 def batch_dims(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Tag sample dimensions on every node (see the module docstring)."""
     B = ctx.batch_size
@@ -61,11 +119,17 @@ def batch_dims(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if node.op != "call_function":
             continue
         node.meta["batch_dim"] = _tag(node, B)
+        if node.meta["batch_dim"] is None and val(node) is not None:
+            node.meta["varies"] = _variation(node)
     return gm
 
 
 class _Mixing(Exception):
     pass
+
+
+class _RowPosition(Exception):
+    """Raised by a rule whose op moves rows along the batch dimension."""
 
 
 def _tag(node: fx.Node, B: int):
@@ -77,12 +141,9 @@ def _tag(node: fx.Node, B: int):
         return None
     rule = _rule_for(node.target)
     if rule is None:
-        raise UnsupportedModelError(
-            f"op {node.target} (node {node.name}) in {module_of(node)} touches per-sample data and has no "
-            "batch rule, so longshield_fx cannot prove it keeps samples apart. Way out: write the layer "
-            "with standard ops, or register a rule with longshield_fx.passes.batch_dims.register_batch_rule.")
+        _no_rule(node)
     try:
-        return rule(node, B)
+        tag = rule(node, B)
     except _Mixing as e:
         if is_backward(node):
             return None  # a weight-gradient reduction; the per_sample pass rewrites it
@@ -90,6 +151,31 @@ def _tag(node: fx.Node, B: int):
             f"op {node.target} (node {node.name}) in {module_of(node)} mixes samples: {e}. "
             "DP-SGD needs each sample's loss to depend on that sample only; remove the op "
             "(e.g. replace BatchNorm with LayerNorm/GroupNorm, compute pairwise losses within a sample).")
+    except _RowPosition as e:
+        raise _row_position_error(node, str(e)) from None
+    for x, dim, inner in _aligned_for(node.target)(node, tag, B):
+        v = varies(x).get(dim)
+        if v is not None and inner % v.period:
+            raise _row_position_error(
+                node, f"it combines per-sample data with {x.name}, whose entries differ from row to row "
+                f"along the batch dimension (its dimension {dim}, made by {v.origin})")
+    return tag
+
+
+def _no_rule(node: fx.Node):
+    raise UnsupportedModelError(
+        f"op {node.target} (node {node.name}) in {module_of(node)} touches per-sample data and has no "
+        "batch rule, so longshield_fx cannot prove it keeps samples apart. Way out: write the layer "
+        "with standard ops, or register a rule with longshield_fx.passes.batch_dims.register_batch_rule.")
+
+
+def _row_position_error(node: fx.Node, what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"op {node.target} (node {node.name}) in {module_of(node)} makes a sample's loss depend on its row "
+        f"position in the batch: {what}. Removing one record moves the later ones to other rows and changes "
+        "their losses, so one record can change the clipped sum by more than C. Way out: a per-sample loss "
+        "may not depend on the sample's row position; compute weights from the sample's own data (or pass "
+        "them as an input with the batch as dimension 0), and index or permute the other dimensions only.")
 
 
 def _flat_inputs(node: fx.Node) -> list[fx.Node]:
@@ -99,17 +185,30 @@ def _flat_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 # ---------------------------------------------------------------------------------------
-# Rules: (node, B) -> BatchDim | None | tuple; raise _Mixing when samples are combined.
+# Rules: (node, B) -> BatchDim | None | tuple; raise _Mixing when samples are combined and
+# _RowPosition when rows move along the batch dimension. After a rule, the untagged inputs its
+# ``aligned`` function lines up with the batch must not vary there (see ``varies``).
 
 _RULES: dict = {}
+# op -> fn(node, tag, B) -> [(untagged input, its dim lined up with the batch, rows per sample)]
+_ALIGNED: dict = {}
 
 
-def register_batch_rule(*ops):
-    """Register ``fn(node, B) -> BatchDim | None | tuple`` for aten/custom ops."""
+def register_batch_rule(*ops, aligned=None):
+    """Register ``fn(node, B) -> BatchDim | None | tuple`` for aten/custom ops.
+
+    ``aligned(node, tag, B)``, given the output tag ``fn`` returned, lists the untagged
+    tensor inputs whose entries line up with the batch: ``(input, dim, inner)`` tuples, one
+    per input dimension that meets the batch dimension (``inner`` rows per sample). Such a
+    dimension must be uniform (see ``varies``). Without it, every untagged dimension of the
+    batch's size is checked.
+    """
 
     def deco(fn):
         for op in ops:
             _RULES[op] = fn
+            if aligned is not None:
+                _ALIGNED[op] = aligned
         return fn
 
     return deco
@@ -119,11 +218,15 @@ _POINTWISE_EXTRA = {aten._to_copy.default, aten.detach.default, aten.alias.defau
                     aten.copy.default, aten.lift_fresh_copy.default, aten.contiguous.default}
 
 
-@register_batch_rule(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-                     aten.empty_like.default, aten.fill.Scalar, aten.new_zeros.default,
-                     aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
+_CONSTANT_LIKE = (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                  aten.empty_like.default, aten.fill.Scalar, aten.new_zeros.default,
+                  aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
+
+
+@register_batch_rule(*_CONSTANT_LIKE)
 def _constant(node, B):
     return None  # values do not depend on any sample, only the shape does
+
 
 _MIXING = {
     aten._native_batch_norm_legit.default: "batch norm normalises with statistics over the batch",
@@ -140,9 +243,40 @@ def _rule_for(op):
         def mixing(node, B, why=_MIXING[op]):
             raise _Mixing(why)
         return mixing
-    if op in _POINTWISE_EXTRA or (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags):
+    if _is_pointwise(op):
         return _pointwise
     return None
+
+
+def _is_pointwise(op) -> bool:
+    return op in _POINTWISE_EXTRA or (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags)
+
+
+def _aligned_for(op):
+    if op in _ALIGNED:
+        return _ALIGNED[op]
+    return _broadcast if _is_pointwise(op) else _by_size
+
+
+def _untagged(node: fx.Node) -> list[fx.Node]:
+    return [a for a in _flat_inputs(node) if batch_dim(a) is None and val(a) is not None]
+
+
+def _broadcast(node, tag, B):
+    """Untagged inputs broadcast against the output: dimensions line up from the right."""
+    rank = val(node).dim()
+    found = [(x, tag.dim - rank + val(x).dim(), tag.inner) for x in _untagged(node)]
+    return [(x, d, inner) for x, d, inner in found if d >= 0]
+
+
+def _by_size(node, tag, B):
+    """No alignment known: any untagged dimension of a batched input's size may meet the batch."""
+    rows = {B * t.inner: t.inner for t in map(batch_dim, _flat_inputs(node)) if isinstance(t, BatchDim)}
+    return [(x, d, rows[s]) for x in _untagged(node) for d, s in enumerate(val(x).shape) if s in rows]
+
+
+def _weights_only(node, tag, B):
+    return []  # untagged inputs (weights, tables, indices over other dims) never meet the batch
 
 
 def _norm(dim: int, rank: int) -> int:
@@ -225,16 +359,20 @@ def _squeeze(node, B):
 @register_batch_rule(aten.t.default, aten.transpose.int, aten.permute.default)
 def _permute(node, B):
     tag = batch_dim(node.args[0])
+    return BatchDim(_perm(node).index(tag.dim), tag.inner)
+
+
+def _perm(node: fx.Node) -> list[int]:
+    """Output dim i is input dim perm[i]."""
     rank = val(node).dim()
     if node.target == aten.t.default:
-        perm = list(range(rank))[::-1]
-    elif node.target == aten.transpose.int:
+        return list(range(rank))[::-1]
+    if node.target == aten.transpose.int:
         perm = list(range(rank))
         a, b = _norm(node.args[1], rank), _norm(node.args[2], rank)
         perm[a], perm[b] = perm[b], perm[a]
-    else:
-        perm = [_norm(d, rank) for d in node.args[1]]
-    return BatchDim(perm.index(tag.dim), tag.inner)
+        return perm
+    return [_norm(d, rank) for d in node.args[1]]
 
 
 @register_batch_rule(aten.slice.Tensor)
@@ -311,16 +449,22 @@ _REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.
 @register_batch_rule(*_REDUCTIONS)
 def _reduction(node, B):
     tag = batch_dim(node.args[0])
+    dims, keepdim = _reduced(node)
+    if tag.dim in dims:
+        raise _Mixing("reduces over the batch dimension")
+    out = BatchDim(tag.dim if keepdim else tag.dim - sum(d < tag.dim for d in dims), tag.inner)
+    return (out, out) if isinstance(node.meta["val"], tuple) else out
+
+
+def _reduced(node: fx.Node) -> tuple[list[int], bool]:
+    """The dims a reduction removes, and whether it keeps them as size 1."""
     rank = val(node.args[0]).dim()
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if isinstance(dims, int):
         dims = [dims]
     dims = list(range(rank)) if not dims else [_norm(d, rank) for d in dims]
     keepdim = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else node.kwargs.get("keepdim", False)
-    if tag.dim in dims:
-        raise _Mixing("reduces over the batch dimension")
-    out = BatchDim(tag.dim if keepdim else tag.dim - sum(d < tag.dim for d in dims), tag.inner)
-    return (out, out) if isinstance(node.meta["val"], tuple) else out
+    return dims, keepdim
 
 
 def _along_dim(dim_arg_index):
@@ -335,7 +479,8 @@ def _along_dim(dim_arg_index):
 
 register_batch_rule(aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default,
                     aten.cumsum.default, aten.sort.default)(_along_dim(1))
-register_batch_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)(_along_dim(2))
+register_batch_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
+                    aligned=_broadcast)(_along_dim(2))
 
 
 @register_batch_rule(aten.tril.default, aten.triu.default)
@@ -363,24 +508,39 @@ def _contraction(labels_a: str, labels_b: str, labels_out: str, a: fx.Node, b: f
     return BatchDim(labels_out.index(label), inner)
 
 
-@register_batch_rule(aten.mm.default)
+def _contraction_aligned(labels_a: str, labels_b: str, labels_out: str, first: int = 0):
+    """An untagged operand meets the batch where it carries the batch dimension's label."""
+    def aligned(node, tag, B):
+        label = labels_out[tag.dim]
+        operands = ((labels_a, node.args[first]), (labels_b, node.args[first + 1]))
+        return [(x, labels.index(label), tag.inner) for labels, x in operands
+                if batch_dim(x) is None and label in labels]
+    return aligned
+
+
+@register_batch_rule(aten.mm.default, aligned=_contraction_aligned("mk", "kn", "mn"))
 def _mm(node, B):
     return _contraction("mk", "kn", "mn", node.args[0], node.args[1])
 
 
-@register_batch_rule(aten.addmm.default)
+def _addmm_aligned(node, tag, B):
+    bias = [a for a in _broadcast(node, tag, B) if a[0] is node.args[0]]
+    return bias + _contraction_aligned("mk", "kn", "mn", first=1)(node, tag, B)
+
+
+@register_batch_rule(aten.addmm.default, aligned=_addmm_aligned)
 def _addmm(node, B):
     if batch_dim(node.args[0]) is not None:
         raise _Mixing("adds a per-sample bias")  # never produced by nn.Linear
     return _contraction("mk", "kn", "mn", node.args[1], node.args[2])
 
 
-@register_batch_rule(aten.bmm.default)
+@register_batch_rule(aten.bmm.default, aligned=_contraction_aligned("bmk", "bkn", "bmn"))
 def _bmm(node, B):
     return _contraction("bmk", "bkn", "bmn", node.args[0], node.args[1])
 
 
-@register_batch_rule(aten.embedding.default)
+@register_batch_rule(aten.embedding.default, aligned=_weights_only)
 def _embedding(node, B):
     if batch_dim(node.args[0]) is not None:
         raise _Mixing("looks up rows of a per-sample table")
@@ -392,7 +552,16 @@ def _embedding_backward(node, B):
     raise _Mixing("sums gradient rows of all samples into one table")
 
 
-@register_batch_rule(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _leading(*positions):
+    """The untagged tensors at these argument positions have the samples' rows as dimension 0."""
+    def aligned(node, tag, B):
+        inner = _single_tag(node).inner
+        args = [node.args[i] for i in positions if i < len(node.args)]
+        return [(x, 0, inner) for x in args if x in _untagged(node) and val(x).dim() > 0]
+    return aligned
+
+
+@register_batch_rule(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, aligned=_leading(1))
 def _nll_loss_forward(node, B):
     tag = _single_tag(node)
     if node.args[3] != 0 or tag.dim != 0:  # reduction "mean" or "sum" over the batch
@@ -400,7 +569,7 @@ def _nll_loss_forward(node, B):
     return (tag, None)
 
 
-@register_batch_rule(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+@register_batch_rule(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default, aligned=_leading(0, 2))
 def _nll_loss_backward(node, B):
     return batch_dim(node.args[1])
 
@@ -432,7 +601,13 @@ def _has_rows(value, rows: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows  # not an empty debug mask
 
 
-@register_batch_rule(*_ATTENTION_BATCHED_OUTPUTS)
+def _attention_aligned(node, tag, B):
+    """A mask or bias broadcasts against (B, heads, L, S) from the right."""
+    inner, rank = _single_tag(node).inner, val(node.args[0]).dim()
+    return [(x, 0, inner) for x in _untagged(node) if val(x).dim() == rank]
+
+
+@register_batch_rule(*_ATTENTION_BATCHED_OUTPUTS, aligned=_attention_aligned)
 def _fused_attention(node, B):
     tag = _attention_tag(node)
     batched = _ATTENTION_BATCHED_OUTPUTS[node.target]
@@ -450,7 +625,7 @@ def _fused_attention(node, B):
     return tuple(tags)
 
 
-@register_batch_rule(aten.native_layer_norm.default)
+@register_batch_rule(aten.native_layer_norm.default, aligned=_weights_only)
 def _layer_norm(node, B):
     tag = batch_dim(node.args[0])
     if tag.dim >= val(node.args[0]).dim() - len(node.args[1]):
@@ -458,27 +633,317 @@ def _layer_norm(node, B):
     return (tag, tag, tag)
 
 
-@register_batch_rule(aten.native_layer_norm_backward.default)
+@register_batch_rule(aten.native_layer_norm_backward.default, aligned=_weights_only)
 def _layer_norm_backward(node, B):
     tag = batch_dim(node.args[1])
     return (tag, None, None)  # weight and bias grads reduce over the batch
 
 
-@register_batch_rule(aten.convolution.default)
+@register_batch_rule(aten.convolution.default, aligned=_weights_only)
 def _convolution(node, B):
     if batch_dim(node.args[1]) is not None or batch_dim(node.args[0]) != BatchDim(0, 1):
         raise _Mixing("convolves with per-sample weights or over the batch dimension")
     return batch_dim(node.args[0])
 
 
-@register_batch_rule(aten.convolution_backward.default)
+@register_batch_rule(aten.convolution_backward.default, aligned=_weights_only)
 def _convolution_backward(node, B):
     return (batch_dim(node.args[1]), None, None)  # weight and bias grads reduce over the batch
 
 
-@register_batch_rule(aten.index_select.default)
+# Ops that move entries along a dimension. Along the batch dimension they put a record in
+# another row (or several rows, or none), so its loss depends on where the sampler put it.
+_MOVES_ROWS = "it moves rows along the batch dimension, so row i holds the record of another row"
+
+
+@register_batch_rule(aten.index_select.default, aligned=_weights_only)
 def _index_select(node, B):
     tag = batch_dim(node.args[0])
-    if tag is None or batch_dim(node.args[2]) is not None or _norm(node.args[1], val(node).dim()) == tag.dim:
+    if tag is None or batch_dim(node.args[2]) is not None:
         raise _Mixing("indexes along the batch dimension")
+    if _norm(node.args[1], val(node).dim()) == tag.dim:
+        raise _RowPosition(_MOVES_ROWS)
     return tag
+
+
+@register_batch_rule(aten.flip.default, aten.roll.default)
+def _flip_roll(node, B):
+    tag = batch_dim(node.args[0])
+    rank = val(node).dim()
+    if node.target == aten.flip.default:
+        dims = node.args[1]
+    else:
+        dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
+    if not dims or tag.dim in [_norm(d, rank) for d in dims]:  # roll without dims rolls the flattened tensor
+        raise _RowPosition(_MOVES_ROWS)
+    return tag
+
+
+@register_batch_rule(aten.index.Tensor, aten.gather.default)
+def _index_rows(node, B):
+    """Refused along the batch dimension; along other dims there are no rules for their backward."""
+    tag = batch_dim(node.args[0])
+    if tag is not None:
+        if node.target == aten.gather.default:
+            moves = _norm(node.args[1], val(node).dim()) == tag.dim
+        else:
+            moves = tag.dim < len(node.args[1]) and node.args[1][tag.dim] is not None
+        if moves:
+            raise _RowPosition(_MOVES_ROWS)
+    _no_rule(node)
+
+
+@register_batch_rule(aten.take.default)
+def _take(node, B):
+    if batch_dim(node.args[0]) is not None:
+        raise _RowPosition("it reads the per-sample tensor as one flat list, so an output entry comes from "
+                           "whichever row the index names")
+    _no_rule(node)
+
+
+# ---------------------------------------------------------------------------------------
+# Variation of untagged tensors: node -> {dim: Variation}. An op without a rule differs along
+# every dimension (factories such as arange, eye, randperm, rand; parameters; unknown ops).
+
+_VARIATION: dict = {}
+
+
+def _variation_rule(*ops):
+    def deco(fn):
+        for op in ops:
+            _VARIATION[op] = fn
+        return fn
+    return deco
+
+
+def _variation(node: fx.Node) -> dict[int, Variation]:
+    rule = _VARIATION.get(node.target)
+    if rule is None and _is_pointwise(node.target):
+        rule = _broadcast_variation
+    return _everywhere(node) if rule is None else rule(node)
+
+
+def _join(a: Variation | None, b: Variation) -> Variation:
+    # Both periods divide the size, so their lcm does too.
+    return b if a is None else Variation(math.lcm(a.period, b.period), a.origin)
+
+
+@_variation_rule(aten.full.default, aten.ones.default, aten.zeros.default, aten.empty.memory_format,
+                 aten.empty_strided.default, aten.scalar_tensor.default, aten.fill.Tensor, *_CONSTANT_LIKE)
+def _uniform(node):
+    return {}
+
+
+def _broadcast_variation(node):
+    shape = val(node).shape
+    out: dict[int, Variation] = {}
+    for x in _flat_inputs(node):
+        for d, v in varies(x).items():
+            pos = len(shape) - val(x).dim() + d
+            out[pos] = _join(out.get(pos), v)
+    return out
+
+
+@_variation_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+                 aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _reshape_variation(node):
+    """A reshape maps runs of input dims onto runs of output dims with the same product.
+
+    Within a run, the entries depend on the flat index modulo ``period`` (the first varying
+    input dim's period times the sizes after it); an output dim whose stride is a multiple
+    of it is uniform, e.g. the B part of (1, T) expanded to (B, T) and viewed as (B*T,).
+    """
+    a, b = list(val(node.args[0]).shape), list(val(node).shape)
+    if 0 in a or math.prod(a) != math.prod(b):
+        return _everywhere(node)
+    vin, out = varies(node.args[0]), {}
+    for run_a, run_b in _runs(a, b):
+        first = next((k for k, d in enumerate(run_a) if d in vin), None)
+        if first is None:
+            continue
+        v = vin[run_a[first]]
+        period = v.period * math.prod(a[d] for d in run_a[first + 1:])
+        stride = 1
+        for e in reversed(run_b):
+            if b[e] > 1 and stride % period:
+                q = period // stride if period % stride == 0 else b[e]
+                out[e] = Variation(q if b[e] % q == 0 else b[e], v.origin)
+            stride *= b[e]
+    return out
+
+
+def _runs(a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of dims of shapes a and b (no zeros, equal products) whose sizes multiply alike."""
+    runs, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        run_a, run_b, pa, pb = [], [], 1, 1
+        if i < len(a):
+            run_a, pa, i = [i], a[i], i + 1
+        if j < len(b):
+            run_b, pb, j = [j], b[j], j + 1
+        while pa != pb:
+            if pa < pb:
+                run_a.append(i)
+                pa, i = pa * a[i], i + 1
+            else:
+                run_b.append(j)
+                pb, j = pb * b[j], j + 1
+        runs.append((run_a, run_b))
+    return runs
+
+
+@_variation_rule(aten.expand.default, aten.repeat.default)
+def _expand_variation(node):
+    # Expanded dims had size 1 and new dims are in front: neither varies. Tiling keeps the
+    # period, which divides the tile.
+    shift = val(node).dim() - val(node.args[0]).dim()
+    return {d + shift: v for d, v in varies(node.args[0]).items()}
+
+
+@_variation_rule(aten.t.default, aten.transpose.int, aten.permute.default)
+def _permute_variation(node):
+    vin = varies(node.args[0])
+    return {o: vin[i] for o, i in enumerate(_perm(node)) if i in vin}
+
+
+@_variation_rule(aten.slice.Tensor)
+def _slice_variation(node):
+    out = dict(varies(node.args[0]))
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, val(node).dim())
+    n = val(node).shape[dim]
+    if dim in out:
+        out[dim] = Variation(n, out[dim].origin)
+        if n == 1:
+            del out[dim]
+    return out
+
+
+@_variation_rule(aten.select.int)
+def _select_variation(node):
+    dim = _norm(node.args[1], val(node.args[0]).dim())
+    return {d - (d > dim): v for d, v in varies(node.args[0]).items() if d != dim}
+
+
+@_variation_rule(aten.cat.default)
+def _cat_variation(node):
+    tensors = [t for t in node.args[0] if val(t).dim() == val(node).dim()]  # cat skips legacy (0,) inputs
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, val(node).dim())
+    out: dict[int, Variation] = {}
+    for t in tensors:
+        for d, v in varies(t).items():
+            out[d] = _join(out.get(d), v) if d != dim else out.get(d, v)
+    n = val(node).shape[dim]
+    if n > 1:  # the pieces may hold different values even where each is uniform
+        out[dim] = Variation(n, out[dim].origin if dim in out else _describe(node))
+    return out
+
+
+@_variation_rule(*_REDUCTIONS)
+def _reduction_variation(node):
+    dims, keepdim = _reduced(node)
+    return {d if keepdim else d - sum(e < d for e in dims): v
+            for d, v in varies(node.args[0]).items() if d not in dims}
+
+
+@_variation_rule(aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default, aten.flip.default)
+def _same_variation(node):
+    return dict(varies(node.args[0]))
+
+
+@_variation_rule(aten.roll.default)
+def _roll_variation(node):
+    # A roll keeps each dim's period; without dims it rolls the flattened tensor.
+    return _same_variation(node) if len(node.args) > 2 and node.args[2] else _everywhere(node)
+
+
+@_variation_rule(aten.cumsum.default, aten.cumprod.default)
+def _accumulate_variation(node):
+    """Running sums differ along their dim even over equal entries: ones(B).cumsum(0) is 1..B."""
+    out = dict(varies(node.args[0]))
+    dim = _norm(node.args[1], val(node).dim())
+    n = val(node).shape[dim]
+    if n > 1:
+        out[dim] = Variation(n, out[dim].origin if dim in out else _describe(node))
+    return out
+
+
+@_variation_rule(aten.tril.default, aten.triu.default)
+def _tri_variation(node):
+    out, shape = dict(varies(node.args[0])), val(node).shape
+    for d in (len(shape) - 2, len(shape) - 1):
+        if shape[d] > 1:
+            out[d] = Variation(shape[d], out[d].origin if d in out else _describe(node))
+    return out
+
+
+@_variation_rule(aten.index.Tensor)
+def _index_variation(node):
+    """src[..., i1, i2, ...]: a broadcast index dim varies where an index varies and picks along a
+    src dim that varies (HF's mask builder indexes a uniform (B, T) table with arange(B))."""
+    src, indices = node.args[0], list(node.args[1])
+    picked = [k for k, ix in enumerate(indices) if ix is not None]
+    if any(val(indices[k]).dtype in (torch.bool, torch.uint8) for k in picked):
+        return _everywhere(node)  # masks select a data-dependent number of entries
+    vin, shape = varies(src), val(node).shape
+    width = max(val(indices[k]).dim() for k in picked)
+    adjacent = picked == list(range(picked[0], picked[-1] + 1))
+    start = picked[0] if adjacent else 0
+    out: dict[int, Variation] = {}
+    for k in picked:
+        if k in vin:
+            for d, v in varies(indices[k]).items():
+                pos = start + width - val(indices[k]).dim() + d
+                out[pos] = Variation(shape[pos], v.origin)
+    rest = [d for d in range(val(src).dim()) if d not in picked]
+    for n, d in enumerate(rest):
+        if d in vin:
+            pos = d if adjacent and d < start else (d - len(picked) + width if adjacent else width + n)
+            out[pos] = vin[d]
+    return out
+
+
+@_variation_rule(aten.index_select.default)
+def _index_select_variation(node):
+    src, dim, index = node.args[:3]
+    out = dict(varies(src))
+    dim = _norm(dim, val(node).dim())
+    picked = out.pop(dim, None)
+    if picked is not None and 0 in varies(index):
+        out[dim] = Variation(val(node).shape[dim], picked.origin)
+    return out
+
+
+@_variation_rule(aten.embedding.default)
+def _embedding_variation(node):
+    table, index = node.args[:2]
+    vt, shape = varies(table), val(node).shape
+    out = {d: Variation(shape[d], v.origin) for d, v in varies(index).items() if 0 in vt}
+    if 1 in vt:
+        out[len(shape) - 1] = vt[1]
+    return out
+
+
+def _contraction_variation(labels_a: str, labels_b: str, labels_out: str, first: int = 0):
+    def variation(node):
+        out: dict[int, Variation] = {}
+        for labels, x in ((labels_a, node.args[first]), (labels_b, node.args[first + 1])):
+            for d, v in varies(x).items():
+                if labels[d] in labels_out:
+                    pos = labels_out.index(labels[d])
+                    out[pos] = _join(out.get(pos), v)
+        return out
+    return variation
+
+
+_variation_rule(aten.mm.default)(_contraction_variation("mk", "kn", "mn"))
+_variation_rule(aten.bmm.default)(_contraction_variation("bmk", "bkn", "bmn"))
+
+
+@_variation_rule(aten.addmm.default)
+def _addmm_variation(node):
+    out = _contraction_variation("mk", "kn", "mn", first=1)(node)
+    bias = varies(node.args[0])
+    for d, v in bias.items():
+        pos = 2 - val(node.args[0]).dim() + d
+        out[pos] = _join(out.get(pos), v)
+    return out

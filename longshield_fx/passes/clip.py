@@ -5,8 +5,12 @@ Rewrites: the graph's outputs ``(per_sample_loss, *per-sample grads)`` into
 parameter, clipped sum = sum_b factor_b * grad_b, in fp32.
 
 The loss cotangent input doubles as the sample mask (1 real, 0 padding): padding rows get
-a zero cotangent, and every per-sample quantity is passed through ``where(mask > 0, ·, 0)``
+a zero cotangent, and every per-sample quantity is passed through ``where(counted, ·, 0)``
 so a padding row contributes exactly zero even when its data is garbage (inf/nan).
+``counted`` is ``mask > 0`` and a finite per-sample norm: a real sample whose gradient has an
+inf or nan (an inf feature, an fp16 overflow) also contributes exactly zero, so the
+sensitivity stays ≤ C and the other samples' sums are untouched. The norms output keeps
+the non-finite values of real rows, so the engine can count them.
 
 Clipping (``ctx.config.clipping``):
 - ``"flat"``: one norm over all parameters per sample, factor ``min(1, C / (‖g_b‖ + 1e-6))``
@@ -16,9 +20,11 @@ Clipping (``ctx.config.clipping``):
 - ``"automatic"``: ``C / (‖g_b‖ + γ)`` (Bu et al.), each contribution's norm below C.
 
 Assumes: ``per_sample`` ran (``ctx.per_sample``). Guarantees: each sample's contribution to
-the clipped sums has norm ≤ C; norms are computed in fp32 whatever the compute dtype;
-embedding gradients in sparse-row form are clipped and summed from the token ids without
-a (B, V, H) tensor.
+the clipped sums has norm ≤ C·(1 + 1e-6) measured in float64: squared norms are summed in
+float64 (in chunks of at most ``_NORM_CHUNK`` elements, so the float64 copy stays small)
+and the clip factor is computed in float64, whatever the compute dtype; only its rounding
+to fp32 (2**-24) and the fp32 product remain. Embedding gradients in sparse-row form are
+clipped and summed from the token ids without a (B, V, H) tensor.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from .per_sample import PerSampleGrad, Rewriter
 
 aten = torch.ops.aten
 _EPS = 1e-6
+_NORM_CHUNK = 2 ** 24  # elements per float64 copy when summing squares (128 MiB)
 
 
 def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -50,8 +57,8 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     position = {n: i for i, n in enumerate(graph.nodes)}
     names = sorted(ctx.captured.param_names, key=lambda n: _available_at(ctx.per_sample[n], position))
     with graph.inserting_before(output):
-        keep = b(aten.gt.Scalar, mask, 0)
-        sq = {name: _sq_norm(rw, b, ctx.per_sample[name], keep) for name in names}
+        real = b(aten.gt.Scalar, mask, 0)
+        sq = {name: _sq_norm(rw, b, ctx.per_sample[name], real) for name in names}
         if ctx.cp_size > 1:
             sq = _all_reduce_shard_norms(b, ctx, sq, per_parameter=cfg.clipping == "per_layer")
         parts = list(sq.values())
@@ -59,6 +66,7 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for part in parts[1:]:
             total = b(aten.add.Tensor, total, part)
         norm = b(aten.sqrt.default, total)
+        keep = b(aten.logical_and.default, real, b(aten.isfinite.default, norm))
         if cfg.clipping == "flat":
             factor = _min1(b, _ratio(b, cfg.max_grad_norm, b(aten.add.Scalar, norm, _EPS)))
             factors = {name: factor for name in names}
@@ -70,11 +78,11 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             factors = {
                 name: _min1(b, _ratio(b, threshold, b(aten.add.Scalar, b(aten.sqrt.default, sq[name]), _EPS)))
                 for name in names}
-        factors = {name: b(aten.where.ScalarOther, keep, f, 0.0) for name, f in factors.items()}
+        factors = {name: _fp32(b, b(aten.where.ScalarOther, keep, f, 0.0)) for name, f in factors.items()}
         sums = {name: _weighted_sum(rw, b, ctx.per_sample[name], factors[name], keep) for name in names}
         sums = [sums[name] for name in ctx.captured.param_names]
         loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, keep, loss, 0.0))
-        norms = b(aten.where.ScalarOther, keep, norm, 0.0)
+        norms = b(aten.where.ScalarOther, real, norm, 0.0)
     output.args = ((loss_sum, norms, *sums),)
     graph.eliminate_dead_code()
     gm.recompile()
@@ -136,12 +144,23 @@ def _concat_rows(b, g: PerSampleGrad):
 
 
 def _sq_norm(rw: Rewriter, b, g: PerSampleGrad, keep) -> fx.Node:
-    """Per-sample squared norm (B,) in fp32."""
+    """Per-sample squared norm (B,) in float64."""
     if g.dense is not None:
         x = rw.densify(g)
-        dims = list(range(1, val(x).dim()))
-        n = b(aten.linalg_vector_norm.default, x, 2, dims, False, dtype=torch.float32)
-        return b(aten.mul.Tensor, n, n)
+        shape = val(x).shape
+        if len(shape) == 1:
+            x = b(aten.view.default, x, [shape[0], 1])
+            shape = val(x).shape
+        dims = list(range(1, len(shape)))
+        chunks = -(-math.prod(shape) // _NORM_CHUNK)
+        step = -(-shape[1] // chunks)
+        total = None
+        for start in range(0, shape[1], step):
+            part = x if step == shape[1] else b(aten.slice.Tensor, x, 1, start, min(start + step, shape[1]))
+            n = b(aten.linalg_vector_norm.default, part, 2, dims, False, dtype=torch.float64)
+            sq = b(aten.mul.Tensor, n, n)
+            total = sq if total is None else b(aten.add.Tensor, total, sq)
+        return total
     return _rows_sq_norm(b, *_concat_rows(b, g), num_rows=g.shape[0])
 
 
@@ -162,14 +181,15 @@ def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, num_rows: int) -> fx.Nod
                 b(aten.slice.Tensor, sorted_keys, 0, 0, B * n - 1))
     new_segment = b(aten.cat.default, [b(aten.ones.default, [1], dtype=torch.bool, device=val(indices).device), changed])
     segment = b(aten.sub.Tensor, b(aten.cumsum.default, new_segment, 0), 1)
-    rows = b(aten.index_select.default, b(aten.view.default, _fp32(b, values), [B * n, H]), 0, order)
-    sums = b(aten.index_add.default, b(aten.zeros.default, [B * n, H], dtype=torch.float32, device=val(values).device),
+    values64 = b(aten._to_copy.default, values, dtype=torch.float64)
+    rows = b(aten.index_select.default, b(aten.view.default, values64, [B * n, H]), 0, order)
+    sums = b(aten.index_add.default, b(aten.zeros.default, [B * n, H], dtype=torch.float64, device=val(values).device),
              0, segment, rows)
     seg_sq = b(aten.sum.dim_IntList, b(aten.mul.Tensor, sums, sums), [1])
     sample_of_key = b(aten.div.Tensor_mode, sorted_keys, num_rows, rounding_mode="floor")
     seg_sample = b(aten.scatter.src, b(aten.zeros.default, [B * n], dtype=torch.int64, device=val(indices).device),
                    0, segment, sample_of_key)
-    return b(aten.index_add.default, b(aten.zeros.default, [B], dtype=torch.float32, device=val(values).device),
+    return b(aten.index_add.default, b(aten.zeros.default, [B], dtype=torch.float64, device=val(values).device),
              0, seg_sample, seg_sq)
 
 

@@ -6,13 +6,14 @@ as inputs) and ``param.grad`` is written in ``finalize``.
 from __future__ import annotations
 
 import copy
-import os
+import warnings
 
 import torch
 from torch import nn
 
 from ..capture import capture
 from ..config import DPConfig
+from ..data import LogicalBatch
 from ..errors import UnsupportedModelError
 from ..passes import PassContext, format_log, run_passes
 from ..passes._graph import val
@@ -21,6 +22,7 @@ from ..passes.checkpoint import checkpoint
 from ..passes.clip import clip
 from ..passes.per_sample import per_sample
 from .accounting import PrivacyAccountant
+from .noise import NoiseGenerator, broadcast_key, key_from_insecure_seed
 from .parallel import Parallel
 
 
@@ -36,18 +38,22 @@ class Engine:
         self.checkpoint = checkpoint
         self.config = config
         self.parallel = Parallel.from_mesh(model, mesh)
-        self.accountant = PrivacyAccountant()
         self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
+        self.nonfinite_samples = 0  # real samples whose gradient was inf/nan (contributed 0)
         self._train = None  # (CapturedGraph, GraphModule, PassContext)
         self._inspect = None
         self._shapes = None
         self._accum: dict[str, torch.Tensor] | None = None
-        # On the parameters' device, so the noise is drawn where the gradients are.
-        self._noise = torch.Generator(device=next(model.parameters(), torch.empty(0)).device)
+        self._accumulated = 0  # real samples since the last finalize (this rank)
+        self._nonfinite_step = 0
+        self.accountant = self._noise = None
         if config is not None:
-            seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            # Every rank draws the same noise, added once to the same full gradient.
-            self._noise.manual_seed(self.parallel.broadcast_seed(seed))
+            self.accountant = PrivacyAccountant(config.accountant)
+            key = None if config.insecure_seed is None else key_from_insecure_seed(config.insecure_seed, "noise")
+            # On the parameters' device, so the noise is drawn where the gradients are. Every
+            # rank draws the same noise (rank 0's key), added once to the same full gradient.
+            device = next(model.parameters()).device
+            self._noise = NoiseGenerator(device, secure=config.secure_rng, key=broadcast_key(key))
 
     # --- compilation ----------------------------------------------------------------------
     def _compile(self, batch, passes):
@@ -131,6 +137,10 @@ class Engine:
         with torch.no_grad(), self.parallel.collective_errors():
             loss_sum, norms, *sums = gm(*args)
             loss_sum = self.parallel.sum_over_cp(loss_sum)
+        nonfinite = int((~torch.isfinite(norms)).sum())
+        self.nonfinite_samples += nonfinite
+        self._nonfinite_step += nonfinite
+        self._accumulated += int(mask.sum())
         if self._accum is None:
             self._accum = {n: s.clone() for n, s in zip(captured.param_names, sums)}
         else:
@@ -139,40 +149,57 @@ class Engine:
         self.last_norms = norms
         return loss_sum
 
-    def finalize(self, expected_batch_size: float) -> None:
+    def finalize(self, batch: LogicalBatch) -> None:
         """Add N(0, σ²C²) once per coordinate, divide by the EXPECTED batch size, write .grad.
 
-        Then any torch optimizer can step. The accumulator is cleared, and one step is
-        recorded with the privacy accountant (when ``config.sample_rate`` is set).
+        ``batch`` is the ``longshield_fx.data.LogicalBatch`` whose physical batches were
+        accumulated: its sampler's q is what the accountant records and its q·N is the
+        divisor, so q has one source. Then any torch optimizer can step. The accumulator is
+        cleared and one step is recorded with the privacy accountant.
         """
-        if not (isinstance(expected_batch_size, (int, float)) and expected_batch_size > 0):
-            raise ValueError(f"engine.finalize: expected_batch_size must be > 0, got {expected_batch_size!r}")
+        if not isinstance(batch, LogicalBatch):
+            raise TypeError("engine.finalize: pass the longshield_fx.data.LogicalBatch whose physical batches "
+                            f"were accumulated (it carries the sampler's q), got {type(batch).__name__}")
         if self._accum is None:
             raise RuntimeError("engine.finalize: nothing accumulated since the last finalize; call "
                                "engine.accumulate(...) for each physical batch first (an empty logical "
                                "batch is one fully masked physical batch)")
+        with self.parallel.collective_errors():
+            accumulated = self.parallel.sum_over_dp(self._accumulated)
+        if accumulated != batch.size:
+            raise ValueError(f"engine.finalize: {accumulated} real samples were accumulated since the last "
+                             f"finalize, but the logical batch has {batch.size}; accumulate every physical "
+                             "batch of this logical batch (mask= marks its real rows), then finalize it")
         sigma_c = self.config.noise_multiplier * self.config.max_grad_norm
         params = dict(self.model.named_parameters())
         _, _, ctx = self._train
         with self.parallel.collective_errors():
-            full = {name: self.parallel.full_clipped_sum(total, ctx.shard_dims.get(name))
+            full = {name: self.parallel.full_clipped_sum(total, ctx.shard_dims.get(name)).contiguous()
                     for name, total in self._accum.items()}
+        if sigma_c > 0:
+            self._noise.add_noise(list(full.values()), sigma_c)
         for name, total in full.items():
-            if sigma_c > 0:
-                noise = torch.randn(total.shape, generator=self._noise, dtype=torch.float32,
-                                    device=self._noise.device)
-                total = total + sigma_c * noise
             p = params[name]
-            p.grad = (total / expected_batch_size).to(device=p.device, dtype=p.dtype)
+            p.grad = (total / batch.expected_size).to(device=p.device, dtype=p.dtype)
         self._accum = None
-        if self.config.sample_rate is not None:
-            self.accountant.step(self.config.noise_multiplier, self.config.sample_rate)
+        self._accumulated = 0
+        self.accountant.step(self.config.noise_multiplier, batch.sample_rate)
+        if self._nonfinite_step:
+            warnings.warn(
+                f"engine.finalize: {self._nonfinite_step} real sample(s) of this logical batch had a non-finite "
+                "gradient (inf/nan) and contributed exactly zero (the sensitivity stays ≤ C). This count "
+                "comes from private data and is NOT covered by ε: do not publish it", RuntimeWarning)
+            self._nonfinite_step = 0
 
     def epsilon(self, delta: float) -> float:
-        """ε spent so far at ``delta``, from dp-accounting (``config.accountant``)."""
-        if self.config is None or self.config.sample_rate is None:
-            raise ValueError("engine.epsilon: set DPConfig(sample_rate=q) so the accountant knows q")
-        return self.accountant.epsilon(delta, method=self.config.accountant)
+        """ε spent so far at ``delta`` (the accountant of ``config.accountant``, from dp-accounting).
+
+        The unit is one dataset row as the sampler sees it (a document when each row is a
+        document, as in the CLI); add/remove-one adjacency, Poisson sampling.
+        """
+        if self.config is None:
+            raise ValueError("engine.epsilon: the engine has no DP config")
+        return self.accountant.epsilon(delta)
 
     # --- inspection -----------------------------------------------------------------------
     def per_sample_grads(self, *batch) -> dict[str, torch.Tensor]:
@@ -182,7 +209,7 @@ class Engine:
             self._inspect = self._compile(batch, [batch_dims, per_sample])
         captured, gm, _ = self._inspect
         B = batch[0].shape[0]
-        cotangent = torch.ones(B, dtype=val(captured.cotangent_placeholder()).dtype)
+        cotangent = torch.ones(B, dtype=val(captured.cotangent_placeholder()).dtype, device=batch[0].device)
         args = captured.gather_args(self.model, self.parallel.shard(batch), cotangent, dtype=self._dtype())
         with torch.no_grad(), self.parallel.collective_errors():
             _, *grads = gm(*args)
@@ -191,19 +218,44 @@ class Engine:
         return dict(zip(captured.param_names, grads))
 
     # --- checkpoints ----------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Accountant and noise-generator state (not the model or optimizer)."""
+    def state_dict(self, sampler=None) -> dict:
+        """Accountant and noise-stream state, and ``sampler``'s (a ``PoissonBatches``) if given;
+        not the model or the optimizer.
+
+        SECRET: the noise key regenerates every noise draw of the run (anyone holding it can
+        subtract the noise from released gradients) and the sampling key tells who was
+        sampled. Store checkpoints like the private data.
+        """
         if self._accum is not None:
             raise RuntimeError("engine.state_dict: save between finalize and the next accumulate")
-        return {"accountant": self.accountant.state_dict(), "noise_rng": self._noise.get_state(),
-                "config": repr(self.config)}
+        state = {"accountant": self.accountant.state_dict(), "noise": self._noise.state_dict(),
+                 "nonfinite_samples": self.nonfinite_samples, "config": repr(self.config)}
+        if sampler is not None:
+            state["sampler"] = sampler.state_dict()
+        return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, sampler=None, *, allow_rollback: bool = False) -> None:
+        """Restore a ``state_dict`` (and ``sampler``'s state, saved with it).
+
+        A state with fewer accounted steps than this engine has already taken is refused
+        unless ``allow_rollback=True``: loading it would forget privacy already spent (the
+        released steps stay released)."""
         if state.get("config") != repr(self.config):
             raise ValueError(f"engine.load_state_dict: checkpoint DP config {state.get('config')} differs "
                              f"from this engine's {self.config!r}")
+        if (sampler is None) != ("sampler" not in state):
+            raise ValueError("engine.load_state_dict: pass the sampler exactly when the state was saved with "
+                             "one (engine.state_dict(sampler)); a resumed run must continue its sampling stream")
+        saved_steps = sum(int(n) for _, _, n in state["accountant"]["history"])
+        if saved_steps < self.accountant.steps and not allow_rollback:
+            raise ValueError(f"engine.load_state_dict: the checkpoint has {saved_steps} accounted steps, this "
+                             f"engine already took {self.accountant.steps}; loading it would under-report ε. "
+                             "Pass allow_rollback=True only if the steps since were never released")
+        if sampler is not None:
+            sampler.load_state_dict(state["sampler"])
         self.accountant.load_state_dict(state["accountant"])
-        self._noise.set_state(state["noise_rng"])
+        self._noise.load_state_dict(state["noise"])
+        self.nonfinite_samples = int(state.get("nonfinite_samples", 0))
 
     def communication_bytes(self) -> dict[str, int]:
         """Bytes each kind of collective in the training graph moves per physical batch.

@@ -20,7 +20,7 @@ from ..losses import CausalLMLoss, ShardedCausalLMLoss, shift_labels
 from .ring_attention import shard_sequence, zigzag_index
 
 
-_PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "peer", "gloo", "nccl")
+_PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "peer")
 
 
 def fake_cp_mesh(cp: int):
@@ -62,6 +62,11 @@ class Parallel:
         if dist.get_world_size() != mesh.size():
             raise ValueError(f"compile: the mesh has {mesh.size()} ranks but the world has "
                              f"{dist.get_world_size()}; the mesh must cover every rank")
+        device = next(model.parameters()).device
+        if device.type != "cpu" and dist.get_backend() == "gloo":
+            raise ValueError(f"compile: the model is on {device} but the process group uses gloo, whose "
+                             "point-to-point transfers (ring attention) fail on device tensors; use "
+                             "init_process_group('nccl') for GPUs, or keep the model on the CPU with gloo")
         cp_group = mesh["cp"].get_group()
         dp_group = mesh["dp"].get_group() if "dp" in names else None
         if dist.get_world_size(cp_group) > 1 and not isinstance(model, CausalLMLoss):
@@ -121,11 +126,11 @@ class Parallel:
         return ids, shifted, positions
 
     # --- collectives outside the graph --------------------------------------------------------
-    def broadcast_seed(self, seed: int) -> int:
-        if not dist.is_initialized() or self.mesh is None or dist.get_world_size() == 1:
-            return seed
-        t = torch.tensor([seed], dtype=torch.int64)
-        dist.broadcast(t, src=0)
+    def sum_over_dp(self, count: int) -> int:
+        if self.dp == 1:
+            return count
+        t = torch.tensor([count], dtype=torch.int64, device=self.mesh.device_type)
+        dist.all_reduce(t, group=self.dp_group)
         return int(t.item())
 
     def sum_over_cp(self, t: torch.Tensor) -> torch.Tensor:

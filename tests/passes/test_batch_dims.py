@@ -1,4 +1,5 @@
-"""batch_dims: sample dimensions are tracked through views; sample-mixing ops are rejected."""
+"""batch_dims: sample dimensions are tracked through views; sample-mixing ops and losses that depend
+on a sample's row position in the batch are rejected."""
 import pytest
 import torch
 import torch.nn as nn
@@ -9,7 +10,7 @@ from longshield_fx.capture import capture
 from longshield_fx.passes import PassContext
 from longshield_fx.passes.batch_dims import BatchDim, batch_dims
 
-from oracles import MLP, mlp_batch
+from oracles import MLP, hf_llama, mlp_batch, tiny_llama, token_batch, vmap_per_sample_grads
 
 
 def tagged(model, batch):
@@ -100,3 +101,139 @@ def test_loss_of_wrong_shape_is_rejected():
 
     with pytest.raises((lf.UnsupportedModelError, ValueError), match=r"per-sample losses of shape \(8,\)|mixes samples"):
         lf.compile(ScalarLoss()).per_sample_grads(torch.randn(8, 4))
+
+
+# --- row position: a loss may not depend on which row the sampler put a sample in ---------------
+
+
+class Weighted(nn.Module):
+    """Per-sample squared activations, passed through ``fn(z)`` in submodule ``rows``."""
+
+    class Rows(nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, z):
+            return self.fn(z)
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.rows = Weighted.Rows(fn)
+
+    def forward(self, x):
+        return self.rows(self.fc(x))
+
+
+def refusal(fn, B=4):
+    with pytest.raises(lf.UnsupportedModelError) as e:
+        lf.compile(Weighted(fn)).per_sample_grads(torch.randn(B, 4))
+    msg = str(e.value)
+    assert "row position" in msg and "rows (Rows)" in msg, msg
+    return msg
+
+
+def assert_matches_oracle(model, batch):
+    ours = lf.compile(model).per_sample_grads(*batch)
+    ref = vmap_per_sample_grads(model, batch)
+    assert set(ours) == set(ref)
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_loss_weighted_by_row_position_is_rejected():
+    # The privacy finding: removing one record shifts the others to new rows and new weights.
+    msg = refusal(lambda z: z.pow(2).sum(1) * torch.arange(z.shape[0]).float())
+    assert "op aten.mul.Tensor" in msg and "made by aten.arange.default" in msg
+
+
+def test_loss_weighted_by_a_running_count_over_the_batch_is_rejected():
+    # ones(B) is uniform, but its cumsum over the batch is 1..B: a row position in disguise.
+    msg = refusal(lambda z: z.pow(2).sum(1) * torch.ones(z.shape[0]).cumsum(0))
+    assert "op aten.mul.Tensor" in msg and "made by aten.cumsum.default" in msg
+
+
+def test_per_row_constant_tensor_is_rejected():
+    msg = refusal(lambda z: z.pow(2).sum(1) * torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert "op aten.mul.Tensor" in msg and "tensor constant" in msg
+
+
+def test_targets_by_row_position_are_rejected():
+    msg = refusal(lambda z: F.cross_entropy(z, torch.arange(z.shape[0]) % 6, reduction="none"))
+    assert "op aten.nll_loss_forward.default" in msg and "made by aten.arange.default" in msg
+
+
+@pytest.mark.parametrize("op, fn", [
+    ("aten.index.Tensor", lambda z: z[torch.tensor([1, 0, 3, 2])]),
+    ("aten.index_select.default", lambda z: z.index_select(0, torch.tensor([1, 0, 3, 2]))),
+    ("aten.flip.default", lambda z: z.flip(0)),
+    ("aten.roll.default", lambda z: z.roll(1, 0)),
+], ids=["index", "index_select", "flip", "roll"])
+def test_rows_moved_along_the_batch_are_rejected(op, fn):
+    msg = refusal(lambda z: fn(z).pow(2).sum(1))
+    assert f"op {op}" in msg and "moves rows along the batch dimension" in msg
+
+
+def test_per_sample_weights_folded_with_tokens_must_be_constant_per_sample():
+    class TokenWeighted(nn.Module):
+        def __init__(self, weights):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+            self.weights = weights
+
+        def forward(self, x, y):
+            B, T = y.shape
+            token_loss = F.cross_entropy(self.fc(x).view(B * T, 3), y.view(B * T), reduction="none")
+            return (token_loss * self.weights(B, T)).view(B, T).sum(1)
+
+    x, y = mlp_batch(B=4, T=5)
+    # Rows of (B*T,) are (sample, token): a weight per token position is the same in every
+    # sample's block of T rows and is accepted; a weight per sample row is not.
+    assert_matches_oracle(TokenWeighted(lambda B, T: torch.arange(T).float().repeat(B)), (x, y))
+    with pytest.raises(lf.UnsupportedModelError, match=r"op aten\.mul\.Tensor .*row position.*made by "
+                       r"aten\.arange\.default"):
+        lf.compile(TokenWeighted(lambda B, T: torch.arange(B).float()[:, None].expand(B, T).reshape(-1))
+                   ).per_sample_grads(x, y)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda z: z.pow(2).sum(1) * 2.0,  # a scalar
+    lambda z: z.pow(2).sum(1) * torch.ones(z.shape[0]),  # full size, but the same in every row
+    lambda z: (z * torch.linspace(0.0, 1.0, 6)).pow(2).sum(1),  # (6,): varies along features only
+    lambda z: (z * torch.arange(6.0)[None].expand(z.shape[0], 6)).pow(2).sum(1),  # (1, 6) expanded over B
+    lambda z: z.flip(1).roll(2, 1).pow(2).sum(1),  # moves entries within each sample
+], ids=["scalar", "ones_B", "per_feature", "expanded_over_B", "flip_roll_features"])
+def test_constants_uniform_over_the_batch_are_accepted(fn):
+    assert_matches_oracle(Weighted(fn), (torch.randn(4, 4),))
+
+
+def test_position_embedding_by_arange_over_tokens_is_accepted():
+    class PosEmb(nn.Module):
+        def __init__(self, vocab=16, T=8, d=6):
+            super().__init__()
+            self.tok = nn.Embedding(vocab, d)
+            self.pos = nn.Embedding(T, d)
+            self.out = nn.Linear(d, vocab)
+
+        def forward(self, ids, mask):
+            positions = torch.arange(ids.shape[1])  # (T,): the same for every sample
+            h = self.tok(ids) + self.pos(positions)
+            logits = self.out(h).transpose(1, 2)
+            return (F.cross_entropy(logits, ids, reduction="none") * mask).sum(1)  # mask: an input
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 16, (3, 8), generator=g)
+    mask = (torch.arange(8) < torch.tensor([[8], [5], [2]])).float()  # padding mask, per sample
+    assert_matches_oracle(PosEmb(), (ids, mask))
+
+
+@pytest.mark.parametrize("make, vocab", [(tiny_llama, 256), (hf_llama, 128)], ids=["tiny_llama", "hf_llama"])
+def test_llama_positions_and_causal_masks_are_accepted(make, vocab):
+    nodes = tagged(make(), token_batch(B=3, vocab=vocab))  # RoPE from arange(T) positions: accepted
+    # HF builds its causal mask as (B, 1, T, T) by indexing with arange(B); its rows are all
+    # equal, so attention may read it with per-sample q, k, v. The reference Llama has no mask.
+    masks = [x for n in nodes.values() if n.op == "call_function" and "scaled_dot_product" in str(n.target)
+             for x in n.all_input_nodes if x.meta.get("batch_dim") is None and x.meta["val"].dim() == 4]
+    assert bool(masks) == (make is hf_llama)
+    assert all(m.meta["val"].shape[0] == 3 and 0 not in m.meta["varies"] for m in masks)

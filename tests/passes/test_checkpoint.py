@@ -7,15 +7,15 @@ import torch
 import longshield_fx as lf
 from longshield_fx.memory import estimate_memory
 
-from oracles import hf_llama, tiny_llama, token_batch
+from oracles import hf_llama, logical, tiny_llama, token_batch
 
 
 def run(make, policy, batch):
     model = make()
-    engine = lf.compile(model, config=lf.DPConfig(0.05, 0.0, seed=0), checkpoint=policy)
+    engine = lf.compile(model, config=lf.DPConfig(0.05, 0.0), checkpoint=policy)
     per_sample = engine.per_sample_grads(*batch)
     engine.accumulate(*batch)
-    engine.finalize(1.0)
+    engine.finalize(logical(batch[0].shape[0]))
     return per_sample, {n: p.grad for n, p in model.named_parameters()}, engine
 
 
@@ -42,7 +42,7 @@ def test_same_gradients_as_plain(make, policy):
 def test_no_forward_activation_of_a_block_outlives_its_forward():
     """With "block", a block-internal forward node is read by the forward only."""
     model = tiny_llama(n_layers=2)
-    engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0, seed=0), checkpoint="block")
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0), checkpoint="block")
     engine._training_graph(token_batch())
     from longshield_fx.passes.checkpoint import region_of
     for node in engine.graph_module.graph.nodes:
@@ -58,7 +58,7 @@ def test_memory_estimate_drops_with_checkpointing():
     ids = torch.zeros(1, 512, dtype=torch.long)
     peaks = {}
     for policy in (None, "selective", "block"):
-        engine = lf.compile(tiny_llama(n_layers=4), config=lf.DPConfig(1.0, 0.0, seed=0), checkpoint=policy)
+        engine = lf.compile(tiny_llama(n_layers=4), config=lf.DPConfig(1.0, 0.0), checkpoint=policy)
         engine._training_graph((ids, ids))
         peaks[policy] = estimate_memory(engine.graph_module).peak_bytes
     assert peaks["block"] * 2 < peaks[None]
@@ -69,7 +69,7 @@ def test_memory_estimate_drops_with_checkpointing():
 
 def test_memory_is_flat_across_steps():
     model = tiny_llama(n_layers=2)
-    engine = lf.compile(model, config=lf.DPConfig(1.0, 0.5, seed=0), checkpoint="block")
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 0.5), checkpoint="block")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -81,7 +81,7 @@ def test_memory_is_flat_across_steps():
     counts = []
     for _ in range(30):
         engine.accumulate(ids, ids)
-        engine.finalize(2.0)
+        engine.finalize(logical(2, 2.0))
         opt.step()
         opt.zero_grad()
         counts.append(live_tensors())

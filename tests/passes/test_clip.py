@@ -9,22 +9,23 @@ from hypothesis import given, settings, strategies as st
 import longshield_fx as lf
 from longshield_fx.models.llama import RMSNorm
 
-from oracles import MLP, mlp_batch, tiny_llama, token_batch, vmap_per_sample_grads
+import opacus
+from opacus.grad_sample import register_grad_sampler
+
+from oracles import MLP, logical, mlp_batch, tiny_llama, token_batch, vmap_per_sample_grads
 
 
-def clipped_sum(model, batch, C, clipping="flat", mask=None):
-    engine = lf.compile(model, config=lf.DPConfig(C, 0.0, clipping=clipping, seed=0))
+def clipped_sum(model, batch, C, clipping="flat", mask=None, **config):
+    engine = lf.compile(model, config=lf.DPConfig(C, 0.0, clipping=clipping, **config))
     engine.accumulate(*batch, mask=mask)
-    engine.finalize(1.0)  # noise 0 and divide by 1: .grad is the clipped sum
+    size = batch[0].shape[0] if mask is None else int(mask.sum())
+    engine.finalize(logical(size, 1.0))  # noise 0 and divide by 1: .grad is the clipped sum
     out = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return out, engine
 
 
 def opacus_clipped_sum(model, batch, C):
-    opacus = pytest.importorskip("opacus")
-    from opacus.grad_sample import register_grad_sampler
-
     @register_grad_sampler(RMSNorm)
     def rmsnorm_grad_sample(layer, activations, backprops):
         x = activations[0].float()
@@ -131,4 +132,65 @@ def test_embedding_norm_from_token_ids_matches_dense():
     ours, engine = clipped_sum(model, (ids, ids), 1e6)
     ref = vmap_per_sample_grads(model, (ids, ids))
     dense_norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
-    torch.testing.assert_close(engine.last_norms, dense_norms, atol=1e-5, rtol=1e-5)
+    assert engine.last_norms.dtype == torch.float64
+    torch.testing.assert_close(engine.last_norms, dense_norms.double(), atol=1e-5, rtol=1e-5)
+
+
+class Features(nn.Module):
+    """A per-token linear layer whose per-sample loss can be made non-finite by its input."""
+
+    def __init__(self, d_in=6, d_out=4):
+        super().__init__()
+        self.fc = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        return self.fc(x).pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("how", ["inf feature", "fp16 overflow"])
+def test_nonfinite_real_sample_contributes_zero_and_is_counted(how):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 6)
+    config = {}
+    if how == "inf feature":
+        x[1, 2, 0] = float("inf")
+    else:  # finite input whose square overflows fp16's 65504
+        x[1] = 300.0
+        x = x.half()
+        config = {"compute_dtype": torch.float16}
+    kept = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    model = Features()
+    without, _ = clipped_sum(model, (x,), 1.0, mask=kept, **config)
+    with pytest.warns(RuntimeWarning, match="1 real sample.*NOT covered by ε"):
+        poisoned, engine = clipped_sum(model, (x,), 1.0, **config)
+    assert not torch.isfinite(engine.last_norms[1]) and engine.nonfinite_samples == 1
+    for name in without:  # the other samples' clipped sum is unchanged, bit for bit
+        assert torch.equal(poisoned[name], without[name]), name
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for name, p in model.named_parameters():
+        p.grad = poisoned[name]
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_clipped_contribution_of_an_8m_entry_parameter_stays_within_c():
+    """Norms summed in float64: one sample's clipped contribution, measured in float64, ≤ C(1+1e-6)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 32768, bias=False))
+    assert model[0].weight.numel() >= 8_000_000
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            return self.net(x).sum((1, 2))
+
+    x = torch.randn(1, 64, 256) * 10 + 3  # large, same-signed sums: fp32 rounding shows
+    C = 1e-3
+    grads, engine = clipped_sum(Loss(), (x,), C)
+    norm = float(torch.linalg.vector_norm(grads["net.0.weight"].double()))
+    assert float(engine.last_norms[0]) > 1e6 * C  # clipping is active, by far
+    assert norm <= C * (1 + 1e-6), norm / C - 1
+    assert norm >= C * (1 - 1e-6)

@@ -107,7 +107,7 @@ def test_cuda_attention_becomes_the_same_ring_as_cpu_flash(monkeypatch, kernel):
 def test_cuda_attention_keeps_samples_apart_in_one_process(monkeypatch, kernel):
     fwd_op = CUDA_KERNELS[kernel][0]
     capture_with_cuda_attention(monkeypatch, kernel)
-    engine = lf.compile(tiny_llama(), config=lf.DPConfig(1.0, 1.0, seed=0))
+    engine = lf.compile(tiny_llama(), config=lf.DPConfig(1.0, 1.0))
     ids = torch.zeros(2, 16, dtype=torch.long)
     gm = engine._training_graph((ids, ids))[1]
     attention = list(gm.graph.find_nodes(op="call_function", target=fwd_op))
@@ -140,10 +140,10 @@ def test_hand_written_attention_is_refused_under_context_parallelism():
     from torch.distributed.device_mesh import init_device_mesh
 
     ids = torch.zeros(2, 16, dtype=torch.long)
-    one = lf.compile(lf.CausalLMLoss(HandWrittenAttentionLM()), config=lf.DPConfig(1.0, 1.0, seed=0))
+    one = lf.compile(lf.CausalLMLoss(HandWrittenAttentionLM()), config=lf.DPConfig(1.0, 1.0))
     one._training_graph((ids, ids))  # fine in one process
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-        engine = lf.compile(lf.CausalLMLoss(HandWrittenAttentionLM()), mesh, config=lf.DPConfig(1.0, 1.0, seed=0))
+        engine = lf.compile(lf.CausalLMLoss(HandWrittenAttentionLM()), mesh, config=lf.DPConfig(1.0, 1.0))
         with pytest.raises(lf.UnsupportedModelError, match=r"softmax over the \(sharded\) sequence.*sdpa"):
             engine._training_graph((ids, ids))

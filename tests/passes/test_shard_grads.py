@@ -30,7 +30,7 @@ def fake_world(size):
 def build(cp, dp=1, T=32, B=2, comm="input_stationary", **model_kw):
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")) if dp > 1 else \
         init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-    engine = lf.compile(tiny_llama(**model_kw), mesh, config=lf.DPConfig(1.0, 1.0, seed=0, per_sample_comm=comm))
+    engine = lf.compile(tiny_llama(**model_kw), mesh, config=lf.DPConfig(1.0, 1.0, per_sample_comm=comm))
     ids = torch.zeros(B, T, dtype=torch.long)
     engine._training_graph((ids, ids))
     return engine
@@ -138,13 +138,13 @@ def test_bad_mesh_and_sequence_are_refused_before_any_collective():
     with fake_world(2):
         flat = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         with pytest.raises(ValueError, match="dimension named 'cp'"):
-            lf.compile(tiny_llama(), flat, config=lf.DPConfig(1.0, 1.0, seed=0))
+            lf.compile(tiny_llama(), flat, config=lf.DPConfig(1.0, 1.0))
         engine = lf.compile(tiny_llama(), init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)),
-                            config=lf.DPConfig(1.0, 1.0, seed=0))
+                            config=lf.DPConfig(1.0, 1.0))
         ids = torch.zeros(2, 30, dtype=torch.long)
         with pytest.raises(ValueError, match="multiple of 2\\*cp = 4"):
             engine.accumulate(ids, ids)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
         with pytest.raises(ValueError, match="the mesh has 2 ranks but the world has 4"):
-            lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 1.0, seed=0))
+            lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 1.0))

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import longshield_fx as lf  # noqa: E402
-from oracles import hf_llama, tiny_llama  # noqa: E402
+from oracles import hf_llama, logical, tiny_llama  # noqa: E402
 
 
 def build(kind):
@@ -33,7 +33,7 @@ def main():
         mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     vocab = 128 if kind == "hf_llama" else 256
     batches = [torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(s)) for s in range(dp)]
-    cfg = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=0.0, seed=0, per_sample_comm=comm)
+    cfg = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=0.0, per_sample_comm=comm)
     single_model, cp_model = build(kind), build(kind)
     single = lf.compile(single_model, config=cfg)
     parallel = lf.compile(cp_model, mesh, config=cfg, checkpoint=policy)
@@ -49,10 +49,10 @@ def main():
 
     for b in batches:
         single.accumulate(b, b)
-    single.finalize(1.0)
+    single.finalize(logical(2 * dp))
     dp_rank = mesh["dp"].get_local_rank() if dp > 1 else 0
     loss = parallel.accumulate(batches[dp_rank], batches[dp_rank])
-    parallel.finalize(1.0)
+    parallel.finalize(logical(2 * dp))
     worst_clip = max(float((p.grad - q.grad).abs().max())
                      for p, q in zip(single_model.parameters(), cp_model.parameters()))
     # The overlap pass only reorders: clipped gradients must be bit-identical without it.
@@ -60,25 +60,24 @@ def main():
     no_overlap = lf.compile(no_overlap_model, mesh, config=cfg, checkpoint=policy)
     no_overlap.parallel.overlap = False
     no_overlap.accumulate(batches[dp_rank], batches[dp_rank])
-    no_overlap.finalize(1.0)
+    no_overlap.finalize(logical(2 * dp))
     overlap_identical = all(torch.equal(p.grad, q.grad)
                             for p, q in zip(no_overlap_model.parameters(), cp_model.parameters()))
     clipped = bool((parallel.last_norms > cfg.max_grad_norm).any())
     ref_loss = single_model(batches[dp_rank], batches[dp_rank]).sum()
-    # Noise: same seed, σ > 0: the parallel engine must add exactly the single-process noise
+    # Noise: same key, σ > 0: the parallel engine must add exactly the single-process noise
     # (once per coordinate, not once per rank or per dp replica).
-    noisy = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=1.0, seed=7, per_sample_comm=comm)
+    noisy = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=1.0, insecure_seed=7, per_sample_comm=comm)
     single = lf.compile(single_model, config=noisy)
     parallel = lf.compile(cp_model, mesh, config=noisy, checkpoint=policy)
     for b in batches:
         single.accumulate(b, b)
-    single.finalize(4.0)
+    single.finalize(logical(2 * dp, 4.0))
     parallel.accumulate(batches[dp_rank], batches[dp_rank])
-    parallel.finalize(4.0)
+    parallel.finalize(logical(2 * dp, 4.0))
     worst_noise = max(float((p.grad - q.grad).abs().max())
                       for p, q in zip(single_model.parameters(), cp_model.parameters()))
-    noise_scale = float(single_model.lm.norm.weight.grad.std()) if kind == "llama" else float("nan")
-    result = {"overlap_identical": overlap_identical, "vs_plain_cp": vs_plain_cp, "noisy": worst_noise, "noise_std": noise_scale, "per_sample": worst_ps, "clipped_sum": worst_clip, "clipped_something": clipped,
+    result = {"overlap_identical": overlap_identical, "vs_plain_cp": vs_plain_cp, "noisy": worst_noise, "per_sample": worst_ps, "clipped_sum": worst_clip, "clipped_something": clipped,
               "loss": abs(float(loss) - float(ref_loss)), "bytes": parallel.communication_bytes(),
               "rank": dist.get_rank()}
     if dist.get_rank() == 0:
@@ -93,7 +92,7 @@ def dead_peer(cp):
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-    engine = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 0.0, seed=0))
+    engine = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 0.0))
     if dist.get_rank() == 1:
         os._exit(0)
     ids = torch.zeros(2, 16, dtype=torch.long)

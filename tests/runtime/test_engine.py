@@ -8,7 +8,8 @@ import torch.nn as nn
 import longshield_fx as lf
 from longshield_fx.runtime.accounting import epsilon_for
 
-from oracles import MLP, mlp_batch, tiny_llama, token_batch
+from longshield_fx.data import PoissonBatches
+from oracles import MLP, logical, mlp_batch, tiny_llama, token_batch
 
 
 class Constant(nn.Module):
@@ -26,10 +27,10 @@ class Constant(nn.Module):
 def test_noise_std_is_sigma_c_over_expected_batch_size(micro_batches):
     sigma, C, L = 1.3, 0.7, 8.0
     model = Constant()
-    engine = lf.compile(model, config=lf.DPConfig(C, sigma, seed=0))
+    engine = lf.compile(model, config=lf.DPConfig(C, sigma))
     for _ in range(micro_batches):  # noise must not be added per micro-batch
         engine.accumulate(torch.randn(4, 2))
-    engine.finalize(L)
+    engine.finalize(logical(4 * micro_batches, L))
     g = model.w.grad
     n = g.numel()
     expected = sigma * C / L
@@ -39,14 +40,13 @@ def test_noise_std_is_sigma_c_over_expected_batch_size(micro_batches):
 
 
 def test_fixed_shape_engine_never_recaptures_across_poisson_batches():
-    data = pytest.importorskip("longshield_fx.data")
     torch.manual_seed(0)
     N, T = 40, 8
     tokens = torch.randint(0, 256, (N, T))
     model = tiny_llama()
     q = 0.1
-    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, sample_rate=q, seed=0))
-    batches = data.PoissonBatches(tokens, sample_rate=q, physical_batch_size=3, seed=0)
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0))
+    batches = PoissonBatches(tokens, sample_rate=q, physical_batch_size=3)
     sizes = []
     it = iter(batches)
     for _ in range(50):
@@ -58,26 +58,22 @@ def test_fixed_shape_engine_never_recaptures_across_poisson_batches():
         sizes.append(logical.size)
         for (ids,), mask in logical.physical:
             engine.accumulate(ids, ids, mask=mask)
-        engine.finalize(q * N)
+        engine.finalize(logical)
     assert engine.captures == 1
-    assert len(set(sizes)) > 2 and 0 in sizes or len(set(sizes)) > 2
+    assert len(set(sizes)) > 2  # the logical batch size varied, the graph did not
     assert engine.accountant.steps == 50
+    assert engine.accountant.history == [(1.0, q, 50)]  # q from the sampler
 
 
 def test_epsilon_agrees_with_dp_accounting():
     model = MLP()
     q, sigma = 0.05, 1.1
-    engine = lf.compile(model, config=lf.DPConfig(1.0, sigma, sample_rate=q, seed=0))
+    engine = lf.compile(model, config=lf.DPConfig(1.0, sigma))
     for _ in range(7):
         engine.accumulate(*mlp_batch())
-        engine.finalize(4.0)
-    assert engine.epsilon(1e-5) == pytest.approx(epsilon_for(sigma, q, 7, 1e-5), rel=1e-9)
-
-
-def test_calibrate_noise_hits_target():
-    sigma = lf.calibrate_noise(target_epsilon=4.0, delta=1e-5, sample_rate=0.01, steps=500)
-    eps = epsilon_for(sigma, 0.01, 500, 1e-5)
-    assert 0.99 * 4.0 <= eps <= 4.0
+        engine.finalize(logical(4, 4.0, sample_rate=q))
+    assert engine.config.accountant == "pld"  # the default is the tightest accountant
+    assert engine.epsilon(1e-5) == pytest.approx(epsilon_for(sigma, q, 7, 1e-5, method="pld"), rel=1e-9)
 
 
 def run_steps(model, engine, opt, n, seed=0):
@@ -85,32 +81,35 @@ def run_steps(model, engine, opt, n, seed=0):
     for _ in range(n):
         ids = torch.randint(0, 256, (2, 12), generator=g)
         engine.accumulate(ids, ids)
-        engine.finalize(2.0)
+        engine.finalize(logical(2, 2.0, sample_rate=0.01))
         opt.step()
         opt.zero_grad()
 
 
 def test_checkpoint_resume_is_bit_identical(tmp_path):
-    cfg = lf.DPConfig(1.0, 0.8, sample_rate=0.01, seed=3)
+    """A resumed run continues the same secret noise stream as the uninterrupted one."""
+    cfg = lf.DPConfig(1.0, 0.8)
 
     def fresh():
         model = tiny_llama(seed=1)
         return model, lf.compile(model, config=cfg), torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    model_a, engine_a, opt_a = fresh()
-    run_steps(model_a, engine_a, opt_a, 6)
-
     model_b, engine_b, opt_b = fresh()
     g = torch.Generator().manual_seed(0)
-    # First 3 steps, save, then resume in a new model/engine/optimizer.
+    # First 3 steps, save, then run on (a) in the same objects and (c) resumed in new ones.
+    run_steps(model_b, engine_b, opt_b, 3)
+    g = torch.Generator().manual_seed(0)
     for _ in range(3):
-        ids = torch.randint(0, 256, (2, 12), generator=g)
-        engine_b.accumulate(ids, ids)
-        engine_b.finalize(2.0)
-        opt_b.step()
-        opt_b.zero_grad()
+        torch.randint(0, 256, (2, 12), generator=g)
     torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict(), "engine": engine_b.state_dict(),
                 "data_rng": g.get_state()}, tmp_path / "ckpt.pt")
+    model_a, engine_a, opt_a = model_b, engine_b, opt_b
+    for _ in range(3):
+        ids = torch.randint(0, 256, (2, 12), generator=g)
+        engine_a.accumulate(ids, ids)
+        engine_a.finalize(logical(2, 2.0, sample_rate=0.01))
+        opt_a.step()
+        opt_a.zero_grad()
     model_c, engine_c, opt_c = fresh()
     state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     model_c.load_state_dict(state["model"])
@@ -120,17 +119,69 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
     for _ in range(3):
         ids = torch.randint(0, 256, (2, 12), generator=g)
         engine_c.accumulate(ids, ids)
-        engine_c.finalize(2.0)
+        engine_c.finalize(logical(2, 2.0, sample_rate=0.01))
         opt_c.step()
         opt_c.zero_grad()
     for (name, a), (_, c) in zip(model_a.named_parameters(), model_c.named_parameters()):
         assert torch.equal(a, c), name
     assert engine_c.epsilon(1e-5) == engine_a.epsilon(1e-5)
+    assert engine_c.accountant.steps == 6
+
+
+def test_loading_an_older_state_is_refused_unless_asked():
+    model = MLP()
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 0.5))
+    engine.accumulate(*mlp_batch())
+    engine.finalize(logical(4, 4.0, sample_rate=0.1))
+    old = engine.state_dict()
+    engine.accumulate(*mlp_batch())
+    engine.finalize(logical(4, 4.0, sample_rate=0.1))
+    eps = engine.epsilon(1e-5)
+    with pytest.raises(ValueError, match="1 accounted steps, this engine already took 2"):
+        engine.load_state_dict(old)
+    assert engine.epsilon(1e-5) == eps  # nothing changed
+    engine.load_state_dict(old, allow_rollback=True)
+    assert engine.accountant.steps == 1
+
+
+def test_engine_state_holds_the_secret_noise_and_sampling_streams():
+    engine = lf.compile(MLP(), config=lf.DPConfig(1.0, 0.5))
+    x, y = mlp_batch(B=4)
+    sampler = PoissonBatches(torch.utils.data.TensorDataset(x, y), sample_rate=0.5, physical_batch_size=4)
+    state = engine.state_dict(sampler)
+    assert len(state["noise"]["stream"]["key"]) == 32 and state["noise"]["secure"] is True
+    after = [b.indices.tolist() for b in sampler]
+    resumed = PoissonBatches(torch.utils.data.TensorDataset(x, y), sample_rate=0.5, physical_batch_size=4)
+    with pytest.raises(ValueError, match="pass the sampler"):
+        lf.compile(MLP(), config=lf.DPConfig(1.0, 0.5)).load_state_dict(state)
+    lf.compile(MLP(), config=lf.DPConfig(1.0, 0.5)).load_state_dict(state, resumed)
+    assert [b.indices.tolist() for b in resumed] == after  # the same secret sampling stream
+
+
+def test_finalize_takes_q_from_the_sampler_and_checks_the_batch():
+    model = MLP()
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0))
+    x, y = mlp_batch(B=4)
+    dataset = torch.utils.data.TensorDataset(x.repeat(5, 1, 1), y.repeat(5, 1))
+    sampler = PoissonBatches(dataset, sample_rate=0.25, physical_batch_size=4)
+    batch = next(b for b in sampler if b.size > 0)
+    for (bx, by), mask in batch.physical:
+        engine.accumulate(bx, by, mask=mask)
+    engine.finalize(batch)
+    assert engine.accountant.history == [(1.0, 0.25, 1)]
+    assert batch.expected_size == 0.25 * 20
+    # Accumulating one physical batch too few (or too many) is refused, not accounted.
+    engine.accumulate(x, y, mask=torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="2 real samples were accumulated.*logical batch has 3"):
+        engine.finalize(logical(3, 5.0, sample_rate=0.25))
+    with pytest.raises(TypeError, match="LogicalBatch"):
+        engine.finalize(5.0)
+    assert engine.accountant.steps == 1
 
 
 def test_checkpoint_from_other_config_is_refused():
-    engine = lf.compile(MLP(), config=lf.DPConfig(1.0, 0.5, seed=0))
-    other = lf.compile(MLP(), config=lf.DPConfig(2.0, 0.5, seed=0))
+    engine = lf.compile(MLP(), config=lf.DPConfig(1.0, 0.5))
+    other = lf.compile(MLP(), config=lf.DPConfig(2.0, 0.5))
     with pytest.raises(ValueError, match="DP config"):
         other.load_state_dict(engine.state_dict())
 
@@ -139,7 +190,7 @@ def test_bf16_tracks_fp32_loss():
     losses = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_llama(seed=0)
-        engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0, compute_dtype=dtype, seed=0))
+        engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0, compute_dtype=dtype))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, 256, (4, 32), generator=g)
@@ -147,7 +198,7 @@ def test_bf16_tracks_fp32_loss():
         for _ in range(20):
             loss = engine.accumulate(ids, ids)
             assert torch.isfinite(loss)
-            engine.finalize(4.0)
+            engine.finalize(logical(4, 4.0))
             assert all(torch.isfinite(p.grad).all() for p in model.parameters())
             assert all(p.dtype == torch.float32 for p in model.parameters())
             opt.step()
@@ -161,19 +212,18 @@ def test_bf16_tracks_fp32_loss():
 
 def test_bad_input_is_refused_and_changes_nothing():
     model = MLP()
-    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, seed=0))
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0))
     x, y = mlp_batch(B=4)
     with pytest.raises(RuntimeError, match="nothing accumulated"):
-        engine.finalize(4.0)
+        engine.finalize(logical(4, 4.0))
     with pytest.raises(ValueError, match=r"mask must have shape \(4,\)"):
         engine.accumulate(x, y, mask=torch.ones(3))
     with pytest.raises(ValueError, match="only 0"):
         engine.accumulate(x, y, mask=torch.full((4,), 0.5))
     engine.accumulate(x, y)
     before = {n: t.clone() for n, t in engine._accum.items()}
-    for bad in (0, -1.0):
-        with pytest.raises(ValueError, match="expected_batch_size must be > 0"):
-            engine.finalize(bad)
+    with pytest.raises(ValueError, match="4 real samples were accumulated"):
+        engine.finalize(logical(3, 4.0))
     assert all(torch.equal(before[n], engine._accum[n]) for n in before)  # still there
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ValueError, match="shapes changed"):
@@ -181,19 +231,19 @@ def test_bad_input_is_refused_and_changes_nothing():
     for kwargs, match in (({"max_grad_norm": 0.0, "noise_multiplier": 1.0}, "max_grad_norm"),
                           ({"max_grad_norm": 1.0, "noise_multiplier": -0.1}, "noise_multiplier"),
                           ({"max_grad_norm": 1.0, "noise_multiplier": 1.0, "clipping": "nope"}, "clipping"),
-                          ({"max_grad_norm": 1.0, "noise_multiplier": 1.0, "secure_rng": True, "seed": 1},
-                           "secure_rng")):
+                          ({"max_grad_norm": 1.0, "noise_multiplier": 1.0, "insecure_seed": "0"},
+                           "insecure_seed")):
         with pytest.raises(ValueError, match=match):
             lf.DPConfig(**kwargs)
 
 
-def test_secure_rng_draws_different_noise():
+def test_default_noise_differs_between_engines():
     grads = []
     for _ in range(2):
         model = Constant(100)
-        engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, secure_rng=True))
+        engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0))
         engine.accumulate(torch.randn(2, 2))
-        engine.finalize(1.0)
+        engine.finalize(logical(2))
         grads.append(model.w.grad.clone())
     assert not torch.equal(*grads)
 
@@ -233,10 +283,10 @@ def test_no_hooks_during_compile_and_run(monkeypatch):
         monkeypatch.setattr(M, name, lambda *a, _n=name, **k: calls.append(_n))
     model = tiny_llama()
     before = _hook_state(model)
-    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, seed=0))
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0))
     ids, labels = token_batch()
     engine.accumulate(ids, labels)
-    engine.finalize(3.0)
+    engine.finalize(logical(3, 3.0))
     engine.per_sample_grads(ids, labels)
     assert calls == []
     assert _hook_state(model) == before
