@@ -89,14 +89,18 @@ class KeyStream:
         blocks = -(-2 * n // _BLOCK_WORDS)
         if blocks > _MAX_BLOCKS:
             raise ValueError(f"KeyStream: {n} values exceed one nonce's 2**32 blocks; draw in parts")
-        nonce = self.draws.to_bytes(12, "little")
-        self.draws += 1
+        nonce = self.next_nonce()
         device = torch.device(device)
         if device.type == "cpu":
             u64 = _openssl_u64(self.key, nonce, n)
             return (u64 >> 11) & (2 ** 53 - 1)  # arithmetic shift, then drop the sign copies
         w = _torch_words(self.key, nonce, 2 * n, device).view(n, 2)
         return (w[:, 1] << 21) | (w[:, 0] >> 11)
+
+    def next_nonce(self) -> bytes:
+        """The 96-bit nonce of the next draw (a counter: streams never overlap)."""
+        self.draws += 1
+        return (self.draws - 1).to_bytes(12, "little")
 
     def state_dict(self) -> dict:
         """The key and the draw counter: SECRET (they reproduce every future draw)."""
@@ -153,9 +157,7 @@ class NoiseGenerator:
             n = min(wanted, _NOISE_CHUNK)
             draws = (4 if self.secure else 1) * n
             return _gaussian(self.stream.uniform53(draws + draws % 2), self.secure)[:n]
-        nonce = self.stream.draws.to_bytes(12, "little")
-        self.stream.draws += 1
-        fixed = _fixed_words(self.stream.key, nonce, self.device)
+        fixed = _fixed_words(self.stream.key, self.stream.next_nonce(), self.device)
         counters = torch.arange(_CHUNK_BLOCKS, dtype=torch.int64, device=self.device)
         return _compiled_gaussian_blocks()(fixed, counters, self.secure)
 
