@@ -1,5 +1,4 @@
 """Shared test oracles and tiny models."""
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -57,7 +56,7 @@ def token_batch(B=3, T=16, vocab=256, seed=0):
 
 
 def hf_llama(seed=0):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -66,7 +65,7 @@ def hf_llama(seed=0):
 
 
 def hf_gpt2(seed=0):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,

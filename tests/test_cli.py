@@ -359,7 +359,7 @@ def test_atomic_save_never_leaves_a_partial_checkpoint(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_train_hf_config(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     cfg.to_json_file(tmp_path / "llama.json")
@@ -496,9 +496,9 @@ def test_hf_config_without_transformers_is_one_line(tmp_path, capsys, monkeypatc
 
 def test_bad_flags_from_the_console_script_and_python_m(tmp_path):
     script = Path(sys.executable).with_name("longshield-fx")
-    cases = [([sys.executable, "-m", "longshield_fx"], ["train", "-T", "30", "--cp", "2"])]
-    if script.exists():
-        cases.append(([str(script)], ["train", "--steps", "-1"]))
+    assert script.exists(), "pip install -e . installs the longshield-fx console script next to python"
+    cases = [([sys.executable, "-m", "longshield_fx"], ["train", "-T", "30", "--cp", "2"]),
+             ([str(script)], ["train", "--steps", "-1"])]
     for launcher, argv in cases:
         res = run_cli(*argv, cwd=tmp_path, launcher=launcher)
         assert res.returncode == 2 and res.stdout == ""

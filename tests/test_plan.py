@@ -28,10 +28,6 @@ def test_affine_fit_predicts_a_third_T(cp, checkpoint):
     predicted, node = fit.peak(T3)
     actual = max(direct.timeline) + direct.batch_bytes
     assert predicted == pytest.approx(actual, rel=0.02), (node, predicted, actual)
-    # and the peak really moved: a single line through the peaks at the two fit points would miss
-    # wherever the peak switches phase (not asserted: it depends on the shapes), so at least check
-    # that the per-node fit is not the trivial one.
-    assert fit.slope.max() > 0
 
 
 def test_uncheckpointed_graph_recorded_during_a_checkpointed_capture_is_the_plain_graph():
