@@ -76,10 +76,9 @@ def test_epsilon_agrees_with_dp_accounting():
     assert engine.epsilon(1e-5) == pytest.approx(epsilon_for(sigma, q, 7, 1e-5, method="pld"), rel=1e-9)
 
 
-def run_steps(model, engine, opt, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
+def run_steps(engine, opt, data: torch.Generator, n: int):
     for _ in range(n):
-        ids = torch.randint(0, 256, (2, 12), generator=g)
+        ids = torch.randint(0, 256, (2, 12), generator=data)
         engine.accumulate(ids, ids)
         engine.finalize(logical(2, 2.0, sample_rate=0.01))
         opt.step()
@@ -94,34 +93,20 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
         model = tiny_llama(seed=1)
         return model, lf.compile(model, config=cfg), torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    model_b, engine_b, opt_b = fresh()
-    g = torch.Generator().manual_seed(0)
-    # First 3 steps, save, then run on (a) in the same objects and (c) resumed in new ones.
-    run_steps(model_b, engine_b, opt_b, 3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        torch.randint(0, 256, (2, 12), generator=g)
-    torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict(), "engine": engine_b.state_dict(),
-                "data_rng": g.get_state()}, tmp_path / "ckpt.pt")
-    model_a, engine_a, opt_a = model_b, engine_b, opt_b
-    for _ in range(3):
-        ids = torch.randint(0, 256, (2, 12), generator=g)
-        engine_a.accumulate(ids, ids)
-        engine_a.finalize(logical(2, 2.0, sample_rate=0.01))
-        opt_a.step()
-        opt_a.zero_grad()
+    # (a) 3 steps, a checkpoint, 3 more steps; (c) a new run resumed from the checkpoint.
+    model_a, engine_a, opt_a = fresh()
+    data = torch.Generator().manual_seed(0)
+    run_steps(engine_a, opt_a, data, 3)
+    torch.save({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "engine": engine_a.state_dict(),
+                "data_rng": data.get_state()}, tmp_path / "ckpt.pt")
+    run_steps(engine_a, opt_a, data, 3)
     model_c, engine_c, opt_c = fresh()
     state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     model_c.load_state_dict(state["model"])
     opt_c.load_state_dict(state["opt"])
     engine_c.load_state_dict(state["engine"])
-    g.set_state(state["data_rng"])
-    for _ in range(3):
-        ids = torch.randint(0, 256, (2, 12), generator=g)
-        engine_c.accumulate(ids, ids)
-        engine_c.finalize(logical(2, 2.0, sample_rate=0.01))
-        opt_c.step()
-        opt_c.zero_grad()
+    data.set_state(state["data_rng"])
+    run_steps(engine_c, opt_c, data, 3)
     for (name, a), (_, c) in zip(model_a.named_parameters(), model_c.named_parameters()):
         assert torch.equal(a, c), name
     assert engine_c.epsilon(1e-5) == engine_a.epsilon(1e-5)
