@@ -7,7 +7,8 @@ from .config import DPConfig
 from .runtime.engine import Engine
 
 
-def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, checkpoint=None) -> Engine:
+def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, checkpoint=None,
+            disable_passes=()) -> Engine:
     """Compile ``model`` into a DP training engine.
 
     ``model.forward(*batch)`` must return per-sample losses of shape (B,); the objective is
@@ -20,6 +21,9 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
 
     ``checkpoint``: None, ``"block"`` (recompute each transformer block's activations in the
     backward) or ``"selective"`` (as block, but keep attention outputs and their lse).
+
+    ``disable_passes``: names of passes to leave out of the pipeline, for experiments and
+    benchmarks (e.g. ``("overlap",)``); ``print(engine)`` shows the pipeline.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be an nn.Module, got {type(model).__name__}")
@@ -29,4 +33,4 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
         raise ValueError(f"compile: checkpoint must be None, 'block' or 'selective', got {checkpoint!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("compile: the model has no trainable parameters (all requires_grad=False)")
-    return Engine(model, config, mesh, checkpoint)
+    return Engine(model, config, mesh, checkpoint, disable_passes)

@@ -7,18 +7,17 @@ inputs like buffers and get no gradient and no per-sample work.
 
 The route (see ../shared/TORCH_NOTES.md): dynamo captures the module with node metadata
 preserved, so forward nodes carry ``nn_module_stack`` and backward nodes
-``fwd_nn_module_stack``; aot-autograd then exports the joint graph. All torch-private
-calls are wrapped here and nowhere else.
+``fwd_nn_module_stack``; aot-autograd then exports the joint graph (both private torch
+APIs, called through ``longshield_fx._torch``).
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 from torch import nn
 
+from ._torch import descriptors as d, export_joint
 from .errors import UnsupportedModelError
 
 
@@ -70,29 +69,17 @@ def capture(model: nn.Module, example_batch: tuple) -> CapturedGraph:
     ``model`` must return per-sample losses of shape (B,). The objective is their sum;
     the loss cotangent (B,) is a graph input, which later passes use as the sample mask.
     """
-    from torch._dynamo.functional_export import dynamo_graph_capture_for_export
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-    import torch.fx.traceback as fx_traceback
-
     # Frozen parameters become plain inputs of the joint graph; toggling requires_grad
     # on the live model is avoided: we only read it.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    # Static shapes: a second capture of the same code with another batch size would
-    # otherwise turn sizes symbolic (dynamo's automatic dynamic shapes).
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
-            fx_traceback.preserve_node_meta():
-        dynamo_gm = dynamo_graph_capture_for_export(model)(*example_batch)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch._guards.tracing(dynamo_gm.meta["tracing_context"]))
-        joint = aot_export_joint_with_descriptors(stack, dynamo_gm, tuple(example_batch))
-    gm = joint.graph_module
-    return _flatten(gm, joint.fake_mode, trainable)
+    gm, fake_mode = export_joint(model, example_batch)
+    return _flatten(gm, fake_mode, trainable)
 
 
 def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str]) -> CapturedGraph:
     """Give the joint graph flat inputs and outputs ``(loss, *grads)``."""
-    from torch._functorch._aot_autograd.descriptors import (
-        BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, PlainAOTOutput, TangentAOTInput)
+    BufferAOTInput, GradAOTOutput, ParamAOTInput = d.BufferAOTInput, d.GradAOTOutput, d.ParamAOTInput
+    PlainAOTInput, PlainAOTOutput, TangentAOTInput = d.PlainAOTInput, d.PlainAOTOutput, d.TangentAOTInput
 
     graph = gm.graph
     inputs: list[tuple[str, object]] = []

@@ -1,69 +1,129 @@
-"""Graph passes. Each pass is a function ``(gm, ctx) -> gm`` in its own module.
+"""Graph passes and the one ordered list they run in.
 
-``run_passes`` runs an ordered list, checks the graph after each pass and records what
-each changed (node counts by op), which ``print(engine)`` shows.
+Each pass is a function ``(gm, ctx) -> gm`` in its own module. ``pipeline`` returns the
+ordered list for a configuration (the pipeline as data: ``print(engine)`` and
+``longshield-fx inspect`` show it); ``lower`` runs it on a capture, linting the graph
+after each pass and recording what each changed. What a pass learns about a parameter
+lives on that parameter's placeholder ``meta`` (keys in ``_context``); ``Lowered``
+collects it for readers.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch.fx as fx
 
 from ..capture import CapturedGraph
-
-
-@dataclass
-class PassContext:
-    """What passes share: the capture, the batch size, the DP config, and pass results."""
-
-    captured: CapturedGraph
-    batch_size: int
-    config: object = None
-    # name -> PerSampleGrad, filled by the per_sample pass, read by clip and inspection.
-    per_sample: dict = field(default_factory=dict)
-    # name -> rule name, for inspection ("linear", "sum", "embedding", ...).
-    rules_used: dict = field(default_factory=dict)
-    # Context parallelism: group size, group name and rank (cp_size 1: one process).
-    cp_size: int = 1
-    cp_group_name: str | None = None
-    cp_rank: int = 0
-    # name -> parameter dim its per-sample gradient is sharded along over cp (None: replicated).
-    shard_dims: dict = field(default_factory=dict)
-    # Activation checkpointing policy: None, "block" or "selective".
-    checkpoint: str | None = None
-    log: list = field(default_factory=list)
-
+from ._context import CP_SHARD_DIM, PER_SAMPLE_RULE, PassContext
+from .batch_dims import batch_dims
+from .checkpoint import checkpoint
+from .clip import clip
+from .context_parallel import context_parallel
+from .overlap import overlap
+from .per_sample import per_sample
+from .shard_grads import shard_grads
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
+__all__ = ["Lowered", "Pass", "PassContext", "PassRecord", "format_log", "lower", "pipeline"]
 
-def op_counts(gm: fx.GraphModule) -> Counter:
+
+def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None,
+             disable: Iterable[str] = ()) -> list[Pass]:
+    """The ordered passes for a configuration.
+
+    ``training``: the clipped-sum graph (True) or the per-sample-gradient graph (False,
+    ``engine.per_sample_grads``; its gradients stay full under cp). ``cp``: the
+    context-parallel degree. ``checkpointing``: the activation-checkpointing policy.
+    ``disable``: pass names to leave out, for experiments and benchmarks; a name not in
+    the list is an error.
+
+    >>> [p.__name__ for p in pipeline(training=True, cp=2, checkpointing="block")]
+    ['batch_dims', 'context_parallel', 'per_sample', 'shard_grads', 'clip', 'overlap', 'checkpoint']
+    """
+    cp_only = cp > 1
+    steps = [
+        (batch_dims, True),
+        (context_parallel, cp_only),
+        (per_sample, True),
+        (shard_grads, training and cp_only),
+        (clip, training),
+        (overlap, training and cp_only),
+        (checkpoint, checkpointing is not None),
+    ]
+    passes = [p for p, on in steps if on]
+    disable = set(disable)
+    unknown = disable - {p.__name__ for p in passes}
+    if unknown:
+        raise ValueError(f"disable_passes: {sorted(unknown)} not in this pipeline "
+                         f"{[p.__name__ for p in passes]}")
+    return [p for p in passes if p.__name__ not in disable]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass changed: node counts before/after and ops added/removed (by count)."""
+
+    name: str
+    nodes_before: int
+    nodes_after: int
+    added: dict
+    removed: dict
+
+
+@dataclass
+class Lowered:
+    """A rewritten graph and what its passes recorded.
+
+    ``gm(*captured.gather_args(...))`` runs it. ``rules``: parameter -> per-sample rule;
+    ``shard_dims``: parameter -> the dim its clipped sum is sharded along over cp (None:
+    full on every rank).
+    """
+
+    gm: fx.GraphModule
+    captured: CapturedGraph
+    ctx: PassContext
+    log: list[PassRecord]
+
+    @property
+    def passes(self) -> list[str]:
+        return [r.name for r in self.log]
+
+    @property
+    def rules(self) -> dict[str, str]:
+        return {n: self.ctx.param_meta(n).get(PER_SAMPLE_RULE, "?") for n in self.captured.param_names}
+
+    @property
+    def shard_dims(self) -> dict[str, int | None]:
+        return {n: self.ctx.param_meta(n).get(CP_SHARD_DIM) for n in self.captured.param_names}
+
+
+def _op_counts(gm: fx.GraphModule) -> Counter:
     return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
-def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass]) -> fx.GraphModule:
+def lower(ctx: PassContext, passes: list[Pass]) -> Lowered:
+    """Run ``passes`` in order on ``ctx.captured.gm`` (in place), linting after each."""
+    gm, log = ctx.captured.gm, []
     for p in passes:
-        before = op_counts(gm)
-        n_before = len(gm.graph.nodes)
+        before, n_before = _op_counts(gm), len(gm.graph.nodes)
         gm = p(gm, ctx)
         gm.graph.lint()
-        after = op_counts(gm)
-        added = after - before
-        removed = before - after
-        ctx.log.append((p.__name__, n_before, len(gm.graph.nodes), dict(added), dict(removed)))
-    return gm
+        after = _op_counts(gm)
+        log.append(PassRecord(p.__name__, n_before, len(gm.graph.nodes), dict(after - before), dict(before - after)))
+    return Lowered(gm, ctx.captured, ctx, log)
 
 
-def format_log(log) -> str:
+def format_log(log: list[PassRecord], top: int = 6) -> str:
+    """One line per pass (node counts), then its most-added and most-removed ops."""
     lines = []
-    for name, n_before, n_after, added, removed in log:
-        lines.append(f"  {name}: {n_before} -> {n_after} nodes")
-        top = sorted(added.items(), key=lambda kv: -kv[1])[:6]
-        if top:
-            lines.append("    + " + ", ".join(f"{k} x{v}" for k, v in top))
-        top = sorted(removed.items(), key=lambda kv: -kv[1])[:6]
-        if top:
-            lines.append("    - " + ", ".join(f"{k} x{v}" for k, v in top))
+    width = max((len(r.name) for r in log), default=0)
+    for r in log:
+        lines.append(f"  {r.name:<{width}}  {r.nodes_before} -> {r.nodes_after} nodes")
+        for sign, ops in (("+", r.added), ("-", r.removed)):
+            most = sorted(ops.items(), key=lambda kv: -kv[1])[:top]
+            if most:
+                lines.append(f"    {sign} " + ", ".join(f"{k} x{v}" for k, v in most))
     return "\n".join(lines)

@@ -44,7 +44,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedModelError
-from . import PassContext
+from .._torch import OpOverload
+from ._context import PassContext
 from ._graph import is_backward, module_of, val
 
 aten = torch.ops.aten
@@ -249,7 +250,7 @@ def _rule_for(op):
 
 
 def _is_pointwise(op) -> bool:
-    return op in _POINTWISE_EXTRA or (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags)
+    return op in _POINTWISE_EXTRA or (isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags)
 
 
 def _aligned_for(op):

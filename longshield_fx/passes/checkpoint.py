@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedModelError
-from ..runtime import ring_attention as _ring  # noqa: F401  (registers longshield::ring_attention)
-from . import PassContext
+from .. import ops  # noqa: F401  (registers longshield::ring_attention)
+from ._context import PassContext
 from ._graph import FUSED_ATTENTION
 
 aten = torch.ops.aten

@@ -19,7 +19,7 @@ Clipping (``ctx.config.clipping``):
   so the thresholds' squares sum to C², factor ``min(1, C_k / (‖g_bk‖ + 1e-6))``.
 - ``"automatic"``: ``C / (‖g_b‖ + γ)`` (Bu et al.), each contribution's norm below C.
 
-Assumes: ``per_sample`` ran (``ctx.per_sample``). Guarantees: each sample's contribution to
+Assumes: ``per_sample`` ran (``meta[PER_SAMPLE_GRAD]`` on each parameter placeholder). Guarantees: each sample's contribution to
 the clipped sums has norm ≤ C·(1 + 1e-6) measured in float64: squared norms are summed in
 float64 (in chunks of at most ``_NORM_CHUNK`` elements, so the float64 copy stays small)
 and the clip factor is computed in float64, whatever the compute dtype; only its rounding
@@ -34,7 +34,8 @@ from operator import getitem
 import torch
 import torch.fx as fx
 
-from . import PassContext
+from .._torch import c10d
+from ._context import CP_SHARD_DIM, PER_SAMPLE_GRAD, PassContext
 from ._graph import GraphBuilder, val
 from .per_sample import PerSampleGrad, Rewriter
 
@@ -55,10 +56,11 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     # Norms in the order the per-sample gradients become available: the last ones (the
     # first layer's, and under cp their reduce-scatters) get the most time to arrive.
     position = {n: i for i, n in enumerate(graph.nodes)}
-    names = sorted(ctx.captured.param_names, key=lambda n: _available_at(ctx.per_sample[n], position))
+    grads = {n: ctx.param_meta(n)[PER_SAMPLE_GRAD] for n in ctx.captured.param_names}
+    names = sorted(grads, key=lambda n: _available_at(grads[n], position))
     with graph.inserting_before(output):
         real = b(aten.gt.Scalar, mask, 0)
-        sq = {name: _sq_norm(rw, b, ctx.per_sample[name], real) for name in names}
+        sq = {name: _sq_norm(rw, b, grads[name], real) for name in names}
         if ctx.cp_size > 1:
             sq = _all_reduce_shard_norms(b, ctx, sq, per_parameter=cfg.clipping == "per_layer")
         parts = list(sq.values())
@@ -79,7 +81,7 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 name: _min1(b, _ratio(b, threshold, b(aten.add.Scalar, b(aten.sqrt.default, sq[name]), _EPS)))
                 for name in names}
         factors = {name: _fp32(b, b(aten.where.ScalarOther, keep, f, 0.0)) for name, f in factors.items()}
-        sums = {name: _weighted_sum(rw, b, ctx.per_sample[name], factors[name], keep) for name in names}
+        sums = {name: _weighted_sum(rw, b, grads[name], factors[name], keep) for name in names}
         sums = [sums[name] for name in ctx.captured.param_names]
         loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, keep, loss, 0.0))
         norms = b(aten.where.ScalarOther, real, norm, 0.0)
@@ -100,8 +102,7 @@ def _all_reduce_shard_norms(b, ctx: PassContext, sq: dict, per_parameter: bool) 
     Replicated (all-reduced) gradients already hold the full value on every rank and are
     left out. Flat clipping all-reduces B floats; per-layer clipping K x B.
     """
-    c10d = torch.ops._c10d_functional
-    sharded = [n for n in sq if ctx.shard_dims.get(n) is not None]
+    sharded = [n for n in sq if ctx.param_meta(n).get(CP_SHARD_DIM) is not None]
     if not sharded:
         return sq
     sq = dict(sq)

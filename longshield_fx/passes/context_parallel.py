@@ -26,8 +26,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedModelError
-from ..runtime import ring_attention as _ring  # noqa: F401  (registers the ops)
-from . import PassContext
+from .. import ops  # noqa: F401  (registers longshield::ring_attention)
+from ._context import PassContext
 from ._graph import FUSED_ATTENTION, GraphBuilder, module_of, val
 from .batch_dims import batch_dim, register_batch_rule
 

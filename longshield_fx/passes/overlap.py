@@ -26,12 +26,11 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from . import PassContext
+from .._torch import COLLECTIVES, c10d
+from ._context import PassContext
 from ._graph import nbytes, val
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
-COLLECTIVES = {c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.all_gather_into_tensor.default}
 _LAYOUT = {aten.movedim.int, aten.view.default, aten.permute.default, aten.select.int, aten.unsqueeze.default}
 
 
@@ -43,7 +42,7 @@ class OverlapLimits:
 
 def overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Reorder so collectives overlap compute (see the module docstring)."""
-    limits = getattr(ctx, "overlap_limits", None) or OverlapLimits()
+    limits = OverlapLimits()
     order = schedule(gm.graph, limits)
     _apply(gm.graph, order)
     gm.recompile()

@@ -15,8 +15,8 @@ Rewrites: the backward ops that reduce a weight gradient over the batch (found b
 
 Assumes: ``batch_dims`` has tagged the graph.
 
-Guarantees: ``ctx.per_sample[name]`` is a ``PerSampleGrad`` for every trainable
-parameter; the graph returns ``(per_sample_loss, *dense per-sample grads)`` with shapes
+Guarantees: every trainable parameter's placeholder has ``meta[PER_SAMPLE_GRAD]`` (a
+``PerSampleGrad``) and ``meta[PER_SAMPLE_RULE]`` (the rules that formed it); the graph returns ``(per_sample_loss, *dense per-sample grads)`` with shapes
 (B, *param.shape) whose sum over B equals the original gradient. A gradient reached
 through an op no rule knows raises ``UnsupportedModelError`` naming the parameter, the op
 and the way out. Users add rules with ``longshield_fx.per_sample_rule(op)``.
@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedModelError
-from . import PassContext
+from ._context import PER_SAMPLE_GRAD, PER_SAMPLE_RULE, PassContext
 from ._graph import GraphBuilder, module_of, val
 from .batch_dims import BatchDim, batch_dim
 
@@ -387,8 +387,9 @@ def per_sample(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         g = rw.rep(grad)
         if tuple(g.shape) != tuple(val(grad).shape):
             raise AssertionError(f"per-sample shape {g.shape} != gradient shape {tuple(val(grad).shape)}")
-        ctx.per_sample[name] = g
-        ctx.rules_used[name] = "+".join(sorted(rw.rules - {"view", "transpose", "cast", "add", "scale"})) or "?"
+        meta = ctx.param_meta(name)
+        meta[PER_SAMPLE_GRAD] = g
+        meta[PER_SAMPLE_RULE] = "+".join(sorted(rw.rules - {"view", "transpose", "cast", "add", "scale"})) or "?"
         with gm.graph.inserting_before(output):
             dense_outputs.append(rw.densify(g))
     output.args = ((loss, *dense_outputs),)

@@ -22,22 +22,23 @@ Embedding gradients in sparse-row form are made dense (B, V, H) first: rows from
 different cp ranks may hit the same token and must be added before any norm.
 
 Assumes: ``per_sample`` ran with the sequence sharded over ``ctx.cp_group``.
-Guarantees: ``ctx.per_sample[name].dense`` is the shard (or the replicated full gradient)
-and ``ctx.shard_dims[name]`` is the parameter dim it is sharded along (None: replicated),
-so ``clip`` can all-reduce the squared norms of the shards exactly once.
+Guarantees: each parameter placeholder's ``meta[PER_SAMPLE_GRAD].dense`` is the shard (or
+the replicated full gradient) and ``meta[CP_SHARD_DIM]`` the parameter dim it is sharded
+along (None: replicated), so ``clip`` can all-reduce the squared norms of the shards
+exactly once.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from . import PassContext
+from .._torch import c10d
+from ._context import CP_SHARD_DIM, PER_SAMPLE_GRAD, PassContext
 from ._graph import val
 from .batch_dims import BatchDim
 from .per_sample import PerSampleGrad, Rewriter
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 
 
 def shard_dim(shape, cp: int) -> int | None:
@@ -63,7 +64,8 @@ def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     loss, *_ = output.args[0]
     outputs = []
     for name in ctx.captured.param_names:
-        g = ctx.per_sample[name]
+        meta = ctx.param_meta(name)
+        g = meta[PER_SAMPLE_GRAD]
         pieces = ([g.dense] if g.dense is not None else []) + [n for pair in g.rows for n in pair]
         anchor = max(pieces, key=_position(gm.graph))
         # inserting_before(x.next): nodes land right after x, in creation order.
@@ -84,8 +86,8 @@ def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                                     rw.call(c10d.reduce_scatter_tensor.default, front, "sum", cp, group))
                 reduced = rw.call(aten.movedim.int, scattered, 0, dim + 1)
         reduced.meta["batch_dim"] = BatchDim(0, 1)
-        ctx.per_sample[name] = PerSampleGrad(tuple(val(reduced).shape[1:]), reduced)
-        ctx.shard_dims[name] = dim
+        meta[PER_SAMPLE_GRAD] = PerSampleGrad(tuple(val(reduced).shape[1:]), reduced)
+        meta[CP_SHARD_DIM] = dim
         outputs.append(reduced)
     output.args = ((loss, *outputs),)
     gm.graph.eliminate_dead_code()

@@ -15,12 +15,8 @@ from ..capture import capture
 from ..config import DPConfig
 from ..data import LogicalBatch
 from ..errors import UnsupportedModelError
-from ..passes import PassContext, format_log, run_passes
+from ..passes import Lowered, PassContext, format_log, lower, pipeline
 from ..passes._graph import val
-from ..passes.batch_dims import batch_dims
-from ..passes.checkpoint import checkpoint
-from ..passes.clip import clip
-from ..passes.per_sample import per_sample
 from .accounting import PrivacyAccountant
 from .noise import NoiseGenerator, broadcast_key, key_from_insecure_seed
 from .parallel import Parallel
@@ -33,15 +29,19 @@ class Engine:
     batch must have the same shapes (pad with a mask: ``longshield_fx.data.PoissonBatches``).
     """
 
-    def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None, checkpoint=None):
+    def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None, checkpoint=None,
+                 disable_passes=()):
         self.model = model
         self.checkpoint = checkpoint
         self.config = config
         self.parallel = Parallel.from_mesh(model, mesh)
+        # The ordered passes of each graph: "train" (clipped sums) and "per_sample" (the
+        # per-sample gradients behind ``per_sample_grads``).
+        self.pipelines = {graph: pipeline(training=graph == "train", cp=self.parallel.cp, checkpointing=checkpoint,
+                                          disable=disable_passes) for graph in ("train", "per_sample")}
         self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
         self.nonfinite_samples = 0  # real samples whose gradient was inf/nan (contributed 0)
-        self._train = None  # (CapturedGraph, GraphModule, PassContext)
-        self._inspect = None
+        self._lowered: dict[str, Lowered] = {}
         self._shapes = None
         self._accum: dict[str, torch.Tensor] | None = None
         self._accumulated = 0  # real samples since the last finalize (this rank)
@@ -56,9 +56,26 @@ class Engine:
             self._noise = NoiseGenerator(device, secure=config.secure_rng, key=broadcast_key(key))
 
     # --- compilation ----------------------------------------------------------------------
-    def _compile(self, batch, passes):
-        self._check_shapes(batch)
-        dtype = self.config.compute_dtype if self.config is not None else None
+    def lower(self, *example_batch, graph: str = "train") -> Lowered:
+        """Capture and rewrite the step for batches shaped like ``example_batch``, without
+        running it; returns the rewritten graph and what its passes recorded.
+
+        ``graph``: "train" (per physical batch: loss sum, norms, clipped sums; needs a DP
+        config) or "per_sample" (the graph behind ``per_sample_grads``). Cached: the first
+        call captures, later calls return the same graph (the physical shapes are fixed).
+        Tensors may be fake (``FakeTensorMode``): nothing is computed.
+        """
+        if graph not in self.pipelines:
+            raise ValueError(f"engine.lower: graph must be one of {sorted(self.pipelines)}, got {graph!r}")
+        if graph == "train" and self.config is None:
+            raise ValueError("engine: training needs a DP config: longshield_fx.compile(model, config=DPConfig(...))")
+        self._check_shapes(example_batch)
+        if graph not in self._lowered:
+            self._lowered[graph] = self._lower(example_batch, self.pipelines[graph])
+        return self._lowered[graph]
+
+    def _lower(self, batch, passes) -> Lowered:
+        dtype = self._dtype()
         model = self.parallel.capture_module(self.model)
         if dtype is not None and dtype != next(model.parameters()).dtype:
             model = copy.deepcopy(model).to(dtype)  # capture only; the live model keeps its dtype
@@ -72,16 +89,14 @@ class Engine:
                 f"the model must return per-sample losses of shape ({B},), got "
                 f"{None if loss_val is None else tuple(loss_val.shape)}; wrap a language model in "
                 "longshield_fx.CausalLMLoss or return loss.sum(dim=1)-style per-sample values")
-        ctx = PassContext(captured, B, self.config, cp_size=self.parallel.cp,
-                          cp_group_name=self.parallel.cp_group_name, cp_rank=self.parallel.cp_rank,
-                          checkpoint=self.checkpoint)
-        passes = self.parallel.passes(passes) + ([checkpoint] if self.checkpoint else [])
-        gm = run_passes(captured.gm, ctx, passes)
         if captured.mutations:
             raise UnsupportedModelError(
                 f"the forward mutates model state ({', '.join(captured.mutations)}); the compiled step "
                 "would drop those updates. Way out: keep buffers constant during the training step")
-        return captured, gm, ctx
+        ctx = PassContext(captured, B, self.config, cp_size=self.parallel.cp,
+                          cp_group_name=self.parallel.cp_group_name, cp_rank=self.parallel.cp_rank,
+                          checkpoint=self.checkpoint)
+        return lower(ctx, passes)
 
     def _check_shapes(self, batch):
         if not batch or not all(isinstance(t, torch.Tensor) for t in batch):
@@ -98,18 +113,6 @@ class Engine:
                 f"engine: physical batch shapes changed from {self._shapes} to {shapes}; the compiled "
                 "graph has fixed shapes. Pad to a fixed physical batch and pass mask= "
                 "(longshield_fx.data.PoissonBatches does this)")
-
-    def _training_graph(self, batch):
-        if self.config is None:
-            raise ValueError("engine: training needs a DP config: longshield_fx.compile(model, config=DPConfig(...))")
-        if self._train is None:
-            self._train = self._compile(batch, [batch_dims, per_sample, clip])
-        return self._train
-
-    @property
-    def graph_module(self):
-        """The rewritten training graph (None before the first call)."""
-        return None if self._train is None else self._train[1]
 
     def _dtype(self):
         return None if self.config is None else self.config.compute_dtype
@@ -130,7 +133,8 @@ class Engine:
             raise ValueError(f"engine.accumulate: mask must have shape ({B},), got {tuple(mask.shape)}")
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("engine.accumulate: mask must hold only 0 (padding) and 1 (real sample)")
-        captured, gm, _ = self._training_graph(batch)
+        lowered = self.lower(*batch)
+        captured, gm = lowered.captured, lowered.gm
         loss_val = val(captured.cotangent_placeholder())
         cotangent = mask.to(device=batch[0].device, dtype=loss_val.dtype)
         args = captured.gather_args(self.model, self.parallel.shard(batch), cotangent, dtype=self._dtype())
@@ -172,9 +176,9 @@ class Engine:
                              "batch of this logical batch (mask= marks its real rows), then finalize it")
         sigma_c = self.config.noise_multiplier * self.config.max_grad_norm
         params = dict(self.model.named_parameters())
-        _, _, ctx = self._train
+        shard_dims = self._lowered["train"].shard_dims
         with self.parallel.collective_errors():
-            full = {name: self.parallel.full_clipped_sum(total, ctx.shard_dims.get(name)).contiguous()
+            full = {name: self.parallel.full_clipped_sum(total, shard_dims[name]).contiguous()
                     for name, total in self._accum.items()}
         if sigma_c > 0:
             self._noise.add_noise(list(full.values()), sigma_c)
@@ -204,10 +208,8 @@ class Engine:
     # --- inspection -----------------------------------------------------------------------
     def per_sample_grads(self, *batch) -> dict[str, torch.Tensor]:
         """name -> per-sample gradient (B, *param.shape), full and unsharded (for tests)."""
-        self._check_shapes(batch)
-        if self._inspect is None:
-            self._inspect = self._compile(batch, [batch_dims, per_sample])
-        captured, gm, _ = self._inspect
+        lowered = self.lower(*batch, graph="per_sample")
+        captured, gm = lowered.captured, lowered.gm
         B = batch[0].shape[0]
         cotangent = torch.ones(B, dtype=val(captured.cotangent_placeholder()).dtype, device=batch[0].device)
         args = captured.gather_args(self.model, self.parallel.shard(batch), cotangent, dtype=self._dtype())
@@ -266,19 +268,19 @@ class Engine:
         backward). The input-stationary per-sample gradient collectives do not depend on
         T; ring attention's and the output-stationary all-gathers do.
         """
-        if self._train is None:
-            raise RuntimeError("engine.communication_bytes: run accumulate once first (capture is lazy)")
-        return self.parallel.communication_bytes(self._train[1])
+        if "train" not in self._lowered:
+            raise RuntimeError("engine.communication_bytes: call engine.lower(*batch) or accumulate once first "
+                               "(capture is lazy)")
+        return self.parallel.communication_bytes(self._lowered["train"].gm)
 
     def __repr__(self) -> str:
         lines = [f"Engine(config={self.config!r}, captures={self.captures}, {self.parallel})"]
-        for title, compiled in (("training graph", self._train), ("per-sample graph", self._inspect)):
-            if compiled is None:
+        for graph, passes in self.pipelines.items():
+            lines.append(f" {graph} pipeline: " + " -> ".join(p.__name__ for p in passes))
+            lowered = self._lowered.get(graph)
+            if lowered is None:
+                lines.append("  not lowered yet (capture happens at the first call, or engine.lower(*batch))")
                 continue
-            _, gm, ctx = compiled
-            lines.append(f" {title}: passes")
-            lines.append(format_log(ctx.log))
-            lines.append("  per-sample rules: " + ", ".join(f"{n}={r}" for n, r in ctx.rules_used.items()))
-        if len(lines) == 1:
-            lines.append(" not compiled yet (capture happens at the first call)")
+            lines.append(format_log(lowered.log))
+            lines.append("  per-sample rules: " + ", ".join(f"{n}={r}" for n, r in lowered.rules.items()))
         return "\n".join(lines)

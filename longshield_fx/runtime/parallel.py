@@ -4,7 +4,6 @@ With no mesh everything here is the identity. With a mesh (dims "cp" and optiona
 - inputs are cut along the sequence into each cp rank's zig-zag shard, labels shifted over
   the FULL sequence first and global positions passed, so the per-rank graph computes the
   same loss terms as one process;
-- graph passes ``context_parallel`` and ``shard_grads`` join the pipeline;
 - ``finalize`` gathers the cp-sharded clipped sums (full gradients on every rank, for a
   replicated optimizer) and sums them over dp, before the noise is added once.
 """
@@ -16,24 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._torch import c10d
 from ..losses import CausalLMLoss, ShardedCausalLMLoss, shift_labels
-from .ring_attention import shard_sequence, zigzag_index
+from ..ops.ring_attention import shard_sequence, zigzag_index
 
 
 _PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "peer")
-
-
-def fake_cp_mesh(cp: int):
-    """Initialise a one-process fake process group of ``cp`` ranks; return its 1-D "cp" mesh.
-
-    Rank 0's view: graphs get real shapes and collectives, nothing is sent. The caller
-    destroys the group (``dist.destroy_process_group()``).
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=cp, store=FakeStore())
-    return init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
 
 
 class Parallel:
@@ -44,7 +31,6 @@ class Parallel:
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
         self.cp_group_name = cp_group.group_name if cp_group is not None else None
-        self.overlap = True  # the overlap pass; benchmarks turn it off to compare
 
     @classmethod
     def from_mesh(cls, model: nn.Module, mesh) -> "Parallel":
@@ -78,27 +64,6 @@ class Parallel:
         return f"cp={self.cp}, dp={self.dp}"
 
     # --- graph and inputs ------------------------------------------------------------------
-    def passes(self, passes: list) -> list:
-        if self.cp == 1:
-            return passes
-        from ..passes.batch_dims import batch_dims
-        from ..passes.clip import clip
-        from ..passes.context_parallel import context_parallel
-        from ..passes.overlap import overlap
-        from ..passes.per_sample import per_sample
-        from ..passes.shard_grads import shard_grads
-
-        out = []
-        for p in passes:
-            out.append(p)
-            if p is batch_dims:
-                out.append(context_parallel)
-            if p is per_sample and clip in passes:  # training graph: shard; inspection: keep full
-                out.append(shard_grads)
-            if p is clip and self.overlap:
-                out.append(overlap)
-        return out
-
     def capture_module(self, model: nn.Module) -> nn.Module:
         return ShardedCausalLMLoss(model) if self.cp > 1 else model
 
@@ -170,7 +135,6 @@ class Parallel:
         out = {"reduce_scatter": 0, "all_reduce": 0, "all_gather": 0, "ring_attention": 0}
         if self.cp == 1:
             return out
-        c10d = torch.ops._c10d_functional
         ring = torch.ops.longshield
         for node in gm.graph.nodes:
             vals = [a.meta.get("val") for a in node.args if isinstance(a, torch.fx.Node)]

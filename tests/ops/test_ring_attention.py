@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from longshield_fx.runtime import ring_attention as ra
+from longshield_fx.ops import ring_attention as ra
 
 REPO = Path(__file__).resolve().parents[2]
 B, HQ, HKV, T, D = 2, 4, 2, 32, 8
@@ -206,7 +206,7 @@ _EXPORT_SCRIPT = textwrap.dedent(
     import contextlib, json
     import torch, torch.distributed as dist
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-    import longshield_fx.runtime.ring_attention as ra
+    import longshield_fx.ops.ring_attention as ra
 
     dist.init_process_group("fake", rank=0, world_size=2)
     name = dist.group.WORLD.group_name

@@ -1,0 +1,6 @@
+"""Custom ops that rewritten graphs call: importing this package registers them.
+
+Both the passes (which put these ops into graphs) and the runtime (which runs the
+graphs) import from here, so neither layer imports the other for an op.
+"""
+from . import ring_attention  # noqa: F401  (registers longshield::ring_attention and its backward)

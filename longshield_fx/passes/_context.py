@@ -1,0 +1,35 @@
+"""What passes read (``PassContext``) and where they record what they learn (node meta keys)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..capture import CapturedGraph
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """The inputs every pass may read; passes never write to it.
+
+    ``cp_*``: the context-parallel group (size 1: one process); ``checkpoint``: the
+    activation-checkpointing policy (None, "block" or "selective").
+    """
+
+    captured: CapturedGraph
+    batch_size: int
+    config: object = None
+    cp_size: int = 1
+    cp_group_name: str | None = None
+    cp_rank: int = 0
+    checkpoint: str | None = None
+
+    def param_meta(self, name: str) -> dict:
+        """The ``meta`` dict of trainable parameter ``name``'s placeholder, where passes
+        record what they learn about it (keys below)."""
+        return self.captured.param_placeholder(name).meta
+
+
+# Keys of a parameter placeholder's meta, written by the pass named:
+PER_SAMPLE_GRAD = "per_sample_grad"  # per_sample (shard_grads replaces it): a PerSampleGrad
+PER_SAMPLE_RULE = "per_sample_rule"  # per_sample: the rule(s) that formed it, e.g. "linear"
+CP_SHARD_DIM = "cp_shard_dim"  # shard_grads: parameter dim its gradient is sharded along over cp, or None
+
