@@ -10,7 +10,7 @@ from .config import DPConfig
 from .errors import UnsupportedModelError
 from .losses import CausalLMLoss
 from .passes.per_sample import per_sample_rule
-from .runtime.accounting import calibrate_noise
+from .runtime.calibration import calibrate_noise
 
 __all__ = ["compile", "capture", "DPConfig", "CausalLMLoss", "calibrate_noise", "per_sample_rule",
            "UnsupportedModelError", "data"]

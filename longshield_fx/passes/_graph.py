@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .._torch import OpOverload
+
+aten = torch.ops.aten
+
 
 def module_of(node: fx.Node) -> str:
     """The module path a node came from, from dynamo's metadata, or '<model>'."""
@@ -37,40 +41,73 @@ def nbytes(node) -> int:
 
 
 
-# Fused attention forward -> its backward, for every device the SDPA dispatcher may pick
-# (CPU: flash; CUDA: flash for fp16/bf16, memory-efficient for fp32, cuDNN where enabled).
-# All take (q, k, v, ...) and return (out, lse, ...); backwards take (grad_out, q, k, v, ...)
-# and return (dq, dk, dv, ...).
-FUSED_ATTENTION = {
-    getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}").default:
-        getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}_backward").default
-    for kernel in ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention")
+# Fused attention kernels, one row per kernel the SDPA dispatcher may pick (CPU: flash; CUDA:
+# flash for fp16/bf16, memory-efficient for fp32, cuDNN where enabled), with the forward
+# outputs that hold per-sample rows (the others are RNG state, sequence offsets or sizes).
+# Forwards take (q, k, v, ...) and return (out, lse, ...); backwards take (grad_out, q, k, v,
+# ...) and return (dq, dk, dv, ...).
+_ATTENTION_KERNELS = {
+    "flash_attention_for_cpu": (0, 1),  # out, lse
+    "flash_attention": (0, 1, 8),  # out, lse, debug mask
+    "efficient_attention": (0, 1),
+    "cudnn_attention": (0, 1, 8),
 }
+FUSED_ATTENTION = {}  # forward -> backward
+ATTENTION_BATCHED_OUTPUTS = {}  # forward or backward -> outputs holding per-sample rows
+for _kernel, _rows in _ATTENTION_KERNELS.items():
+    _fwd = getattr(aten, f"_scaled_dot_product_{_kernel}").default
+    FUSED_ATTENTION[_fwd] = getattr(aten, f"_scaled_dot_product_{_kernel}_backward").default
+    ATTENTION_BATCHED_OUTPUTS[_fwd] = _rows
+    ATTENTION_BATCHED_OUTPUTS[FUSED_ATTENTION[_fwd]] = (0, 1, 2)  # dq, dk, dv
 
 
-def tensor_args(node: fx.Node) -> list[fx.Node]:
-    """Flattened tensor-valued node inputs (lists of tensors included)."""
-    out = []
-    for a in _flat(node):
-        if val(a) is not None:
-            out.append(a)
-    return out
+def norm_dim(dim: int, rank: int) -> int:
+    """A dim argument as a non-negative index."""
+    return dim + rank if dim < 0 else dim
 
 
-def _flat(node: fx.Node):
-    found = []
-    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
-    return found
+def permutation(node: fx.Node) -> list[int]:
+    """For ``t``, ``transpose`` or ``permute``: output dim i is input dim perm[i]."""
+    rank = val(node).dim()
+    if node.target == aten.t.default:
+        return list(range(rank))[::-1]
+    if node.target == aten.transpose.int:
+        perm = list(range(rank))
+        a, b = norm_dim(node.args[1], rank), norm_dim(node.args[2], rank)
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    return [norm_dim(d, rank) for d in node.args[1]]
 
 
-def fake_propagate(gm: fx.GraphModule) -> None:
-    """Fill ``meta["val"]`` of every node by fake-tensor propagation from the placeholders."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+_POINTWISE_EXTRA = {aten._to_copy.default, aten.detach.default, aten.alias.default,
+                    aten.copy.default, aten.lift_fresh_copy.default, aten.contiguous.default}
 
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    fake_args = [p.meta["val"] for p in placeholders]
-    mode = next(a.fake_mode for a in fake_args if hasattr(a, "fake_mode"))
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
+
+def is_pointwise(op) -> bool:
+    """Elementwise with broadcasting: aten's ``pointwise`` tag, plus copies and casts."""
+    return op in _POINTWISE_EXTRA or (isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags)
+
+
+# Ops whose values do not depend on their tensor inputs, only on shapes and scalars.
+CONSTANT_LIKE = (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                 aten.empty_like.default, aten.fill.Scalar, aten.new_zeros.default,
+                 aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
+
+REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+              aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
+              aten.var.correction, aten.std.correction, aten.logsumexp.default, aten.prod.dim_int,
+              aten.any.dim, aten.all.dim, aten.var_mean.correction, aten.max.default, aten.min.default}
+
+
+def reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
+    """For a reduction in ``REDUCTIONS``: the dims it removes, and whether it keeps them as size 1."""
+    rank = val(node.args[0]).dim()
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if isinstance(dims, int):
+        dims = [dims]
+    dims = list(range(rank)) if not dims else [norm_dim(d, rank) for d in dims]
+    keepdim = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else node.kwargs.get("keepdim", False)
+    return dims, keepdim
 
 
 class GraphBuilder:

@@ -2,7 +2,7 @@
 
 Rewrites: every causal fused-attention node (``_graph.FUSED_ATTENTION``: the CPU flash kernel, and the
 CUDA flash / memory-efficient / cuDNN kernels) and its backward into
-``longshield::ring_attention`` / ``ring_attention_backward`` (``runtime/ring_attention.py``),
+``longshield::ring_attention`` / ``ring_attention_backward`` (``ops/ring_attention.py``),
 which pass K/V blocks around the cp ring and merge block outputs with their log-sum-exp. For GQA
 the rewrite looks through the K/V head repeat (``view(clone(expand(unsqueeze(k, 2))))``) so K/V
 travel with Hkv heads, and replaces the gradient's group-sum
@@ -83,25 +83,9 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _replace_getitems(fwd, {0: out, 1: lse})
         if bwd is None:
             continue
-        grad_out = bwd.args[0]
         with graph.inserting_before(bwd):
-            grads = b(ring_bwd, grad_out, q, k, v, out, lse, scale, ctx.cp_group_name, ctx.cp_size)
-            dq, dk, dv = (b(operator.getitem, grads, i) for i in range(3))
-            for node in (dq, dk, dv):
-                node.meta["batch_dim"] = batch_dim(q)
-            grads.meta["batch_dim"] = (batch_dim(q),) * 3
-        replacements = {0: dq}
-        for i, (grad, group_sum) in ((1, (dk, k_group_sum)), (2, (dv, v_group_sum))):
-            if group_sum is None:
-                replacements[i] = grad
-                continue
-            getitem = next(u for u in bwd.users if u.args[1] == i)
-            sum_node = _group_sum_of(getitem)
-            with graph.inserting_before(sum_node):
-                kept = b(aten.unsqueeze.default, grad, 2)
-            kept.meta["batch_dim"] = batch_dim(sum_node)
-            sum_node.replace_all_uses_with(kept)
-        _replace_getitems(bwd, replacements)
+            grads = b(ring_bwd, bwd.args[0], q, k, v, out, lse, scale, ctx.cp_group_name, ctx.cp_size)
+        _replace_backward(b, bwd, grads, batch_dim(q), grouped=(k_group_sum is not None, v_group_sum is not None))
     graph.eliminate_dead_code()
     # fx keeps attention kernels it thinks random (dropout argument) even when unused, and the
     # CUDA kernels' RNG outputs keep a forward alive until its backward is gone: erase by hand,
@@ -110,6 +94,36 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if node.op == "call_function" and node.target in _ATTENTION_OPS:
             _replace_getitems(node, {})
     graph.eliminate_dead_code()
+    _refuse_unrewritten_attention(graph)
+    gm.recompile()
+    return gm
+
+
+def _replace_backward(b: GraphBuilder, bwd: fx.Node, grads: fx.Node, tag, grouped: tuple[bool, bool]) -> None:
+    """Route the users of ``bwd``'s (dq, dk, dv) to the ring backward's. Under GQA the graph
+    sums dk/dv over the repeated heads' group; the ring backward's dk/dv already have Hkv
+    heads, so that group-sum is replaced by them (unsqueezed to its keepdim shape)."""
+    graph = bwd.graph
+    with graph.inserting_before(bwd):
+        dq, dk, dv = (b(operator.getitem, grads, i) for i in range(3))
+        for node in (dq, dk, dv):
+            node.meta["batch_dim"] = tag
+        grads.meta["batch_dim"] = (tag,) * 3
+    replacements = {0: dq}
+    for i, grad, group_summed in ((1, dk, grouped[0]), (2, dv, grouped[1])):
+        if not group_summed:
+            replacements[i] = grad
+            continue
+        getitem = next(u for u in bwd.users if u.args[1] == i)
+        sum_node = _group_sum_of(getitem)
+        with graph.inserting_before(sum_node):
+            kept = b(aten.unsqueeze.default, grad, 2)
+        kept.meta["batch_dim"] = batch_dim(sum_node)
+        sum_node.replace_all_uses_with(kept)
+    _replace_getitems(bwd, replacements)
+
+
+def _refuse_unrewritten_attention(graph: fx.Graph) -> None:
     local_len = _local_sequence_length(graph)
     for node in graph.nodes:
         if node.target in _ATTENTION_OPS:
@@ -121,8 +135,6 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 f"context_parallel: softmax over the (sharded) sequence at {node.name} in {module_of(node)}: "
                 "attention written by hand cannot be split over the context; use "
                 "torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa')")
-    gm.recompile()
-    return gm
 
 
 def _arg(node: fx.Node, name: str, default=None):
@@ -192,8 +204,6 @@ def _sample_dependent(graph: fx.Graph) -> set:
             # position ids place tokens; neither is sample data for the mask's purpose.
             derived.add(node)
         elif node.op == "call_function" and node.target not in (aten.ones_like.default, aten.new_ones.default):
-            ins: list = []
-            fx.node.map_arg((node.args, node.kwargs), ins.append)
-            if any(i in derived for i in ins):
+            if any(i in derived for i in node.all_input_nodes):
                 derived.add(node)
     return derived

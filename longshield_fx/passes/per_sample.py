@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..errors import UnsupportedModelError
 from ._context import PER_SAMPLE_GRAD, PER_SAMPLE_RULE, PassContext
-from ._graph import GraphBuilder, module_of, val
+from ._graph import GraphBuilder, module_of, permutation, val
 from .batch_dims import BatchDim, batch_dim
 
 aten = torch.ops.aten
@@ -174,9 +174,7 @@ def _batch_derived(graph: fx.Graph) -> set[fx.Node]:
         if batch_dim(node) is not None:
             derived.add(node)
         else:
-            ins: list[fx.Node] = []
-            fx.node.map_arg((node.args, node.kwargs), ins.append)
-            if any(i in derived for i in ins):
+            if any(i in derived for i in node.all_input_nodes):
                 derived.add(node)
     return derived
 
@@ -310,16 +308,7 @@ def _view(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
 @per_sample_rule(aten.t.default, aten.transpose.int, aten.permute.default, name="transpose")
 def _transpose(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     x = rw.densify(rw.rep(node.args[0]))
-    rank = val(node).dim()
-    if node.target == aten.t.default:
-        perm = list(range(rank))[::-1]
-    elif node.target == aten.transpose.int:
-        perm = list(range(rank))
-        i, j = node.args[1] % rank, node.args[2] % rank
-        perm[i], perm[j] = perm[j], perm[i]
-    else:
-        perm = [d % rank for d in node.args[1]]
-    return _dense(rw, node, rw.permute(x, [0] + [p + 1 for p in perm]))
+    return _dense(rw, node, rw.permute(x, [0] + [p + 1 for p in permutation(node)]))
 
 
 @per_sample_rule(aten.add.Tensor, name="add")

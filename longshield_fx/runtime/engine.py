@@ -89,14 +89,15 @@ class Engine:
                 f"the model must return per-sample losses of shape ({B},), got "
                 f"{None if loss_val is None else tuple(loss_val.shape)}; wrap a language model in "
                 "longshield_fx.CausalLMLoss or return loss.sum(dim=1)-style per-sample values")
+        ctx = PassContext(captured, B, self.config, cp_size=self.parallel.cp,
+                          cp_group_name=self.parallel.cp_group_name, cp_rank=self.parallel.cp_rank,
+                          checkpoint=self.checkpoint)
+        lowered = lower(ctx, passes)  # first: a pass names a mixing op (batch norm) better than the mutation
         if captured.mutations:
             raise UnsupportedModelError(
                 f"the forward mutates model state ({', '.join(captured.mutations)}); the compiled step "
                 "would drop those updates. Way out: keep buffers constant during the training step")
-        ctx = PassContext(captured, B, self.config, cp_size=self.parallel.cp,
-                          cp_group_name=self.parallel.cp_group_name, cp_rank=self.parallel.cp_rank,
-                          checkpoint=self.checkpoint)
-        return lower(ctx, passes)
+        return lowered
 
     def _check_shapes(self, batch):
         if not batch or not all(isinstance(t, torch.Tensor) for t in batch):

@@ -11,14 +11,9 @@ from dp_accounting import pld, rdp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longshield_fx.runtime import accounting
-from longshield_fx.runtime.accounting import (
-    SIGMA_MAX,
-    SIGMA_MIN,
-    PrivacyAccountant,
-    calibrate_noise,
-    epsilon_for,
-)
+from longshield_fx.runtime import accounting, calibration
+from longshield_fx.runtime.accounting import PrivacyAccountant, epsilon_for
+from longshield_fx.runtime.calibration import SIGMA_MAX, SIGMA_MIN, calibrate_noise
 
 DELTA = 1e-5
 RUNS = [(1.0, 0.05, 30), (2.0, 0.05, 30), (1.5, 1.0, 5)]
@@ -373,7 +368,7 @@ def test_calibrate_noise_floor_for_huge_target():
 @pytest.mark.parametrize("method", ["rdp", "pld"])
 def test_calibrate_noise_floor_branch(monkeypatch, method):
     # Same branch with a raised floor: PLD takes ~8 s per evaluation at sigma = 0.1.
-    monkeypatch.setattr(accounting, "SIGMA_MIN", 2.0)
+    monkeypatch.setattr(calibration, "SIGMA_MIN", 2.0)
     target = 1.01 * epsilon_for(2.0, 1.0, 1, DELTA, method)
     assert calibrate_noise(target, DELTA, 1.0, 1, method) == 2.0
 

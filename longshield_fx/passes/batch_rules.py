@@ -1,0 +1,377 @@
+"""Batch rules, one per aten op: which dimension of an op's output holds the samples.
+
+A rule ``fn(node, B) -> BatchDim | None | tuple`` reads its inputs' tags (``batch_dim``) and
+returns the output's; it raises ``Mixing`` when the op combines rows of different samples and
+``RowPosition`` when it moves rows along the batch dimension. ``aligned=`` says which
+dimensions of the op's untagged inputs line up with the batch (they must not vary there; see
+``row_variation``). Registered when ``longshield_fx.passes`` is imported.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedModelError
+from ._graph import (ATTENTION_BATCHED_OUTPUTS, CONSTANT_LIKE, REDUCTIONS, module_of, norm_dim, permutation,
+                     reduced_dims, val)
+from .batch_dims import (BatchDim, Mixing, RowPosition, batch_dim, broadcast_aligned, no_rule, register_batch_rule,
+                         single_tag, untagged, weights_only)
+
+aten = torch.ops.aten
+
+
+@register_batch_rule(*CONSTANT_LIKE)
+def _constant(node, B):
+    return None  # values do not depend on any sample, only the shape does
+
+
+@register_batch_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(node, B):
+    tag = batch_dim(node.args[0])
+    in_shape, out_shape = list(val(node.args[0]).shape), list(val(node).shape)
+    prefix, suffix = math.prod(in_shape[: tag.dim]), math.prod(in_shape[tag.dim + 1:])
+    rows = B * tag.inner
+    candidates = [
+        d for d in range(len(out_shape))
+        if math.prod(out_shape[:d]) == prefix and out_shape[d] % B == 0
+        and out_shape[d] * math.prod(out_shape[d + 1:]) == rows * suffix
+    ]
+    if not candidates:
+        raise Mixing(f"the view {in_shape} -> {out_shape} folds the batch dimension into a dimension before it")
+    # Only size-1 dims separate candidates; for B > 1 they are excluded, for B == 1 the
+    # leftmost keeps the batch leading, as rules such as attention expect.
+    d = candidates[0]
+    return BatchDim(d, out_shape[d] // B)
+
+
+@register_batch_rule(aten.expand.default)
+def _expand(node, B):
+    tag = batch_dim(node.args[0])
+    return BatchDim(tag.dim + val(node).dim() - val(node.args[0]).dim(), tag.inner)
+
+
+@register_batch_rule(aten.unsqueeze.default)
+def _unsqueeze(node, B):
+    tag = batch_dim(node.args[0])
+    dim = norm_dim(node.args[1], val(node).dim())
+    return BatchDim(tag.dim + (dim <= tag.dim), tag.inner)
+
+
+@register_batch_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(node, B):
+    tag = batch_dim(node.args[0])
+    in_shape = val(node.args[0]).shape
+    if node.target == aten.squeeze.default:
+        dims = [i for i, s in enumerate(in_shape) if s == 1]
+    else:
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = [norm_dim(d, len(in_shape)) for d in dims if in_shape[norm_dim(d, len(in_shape))] == 1]
+    if tag.dim in dims:
+        dims.remove(tag.dim)
+        if val(node).dim() == len(in_shape) - len(dims) - 1:
+            raise Mixing("squeezes away the batch dimension")
+    return BatchDim(tag.dim - sum(d < tag.dim for d in dims), tag.inner)
+
+
+@register_batch_rule(aten.t.default, aten.transpose.int, aten.permute.default)
+def _permute(node, B):
+    tag = batch_dim(node.args[0])
+    return BatchDim(permutation(node).index(tag.dim), tag.inner)
+
+
+@register_batch_rule(aten.slice.Tensor)
+def _slice(node, B):
+    tag = batch_dim(node.args[0])
+    shape = val(node.args[0]).shape
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
+    if dim == tag.dim and val(node).shape[dim] != shape[dim]:
+        raise Mixing("slices across the batch dimension")
+    return tag
+
+
+@register_batch_rule(aten.slice_backward.default)
+def _slice_backward(node, B):
+    tag = batch_dim(node.args[0])
+    shape = val(node).shape
+    if norm_dim(node.args[2], len(shape)) == tag.dim and val(node.args[0]).shape[tag.dim] != shape[tag.dim]:
+        raise Mixing("pads across the batch dimension")
+    return tag
+
+
+@register_batch_rule(aten.select_backward.default)
+def _select_backward(node, B):
+    tag = batch_dim(node.args[0])
+    dim = norm_dim(node.args[2], val(node).dim())
+    return BatchDim(tag.dim + (dim <= tag.dim), tag.inner)
+
+
+@register_batch_rule(aten.select.int)
+def _select(node, B):
+    tag = batch_dim(node.args[0])
+    dim = norm_dim(node.args[1], val(node.args[0]).dim())
+    if dim == tag.dim:
+        raise Mixing("selects along the batch dimension")
+    return BatchDim(tag.dim - (dim < tag.dim), tag.inner)
+
+
+@register_batch_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
+def _split(node, B):
+    tag = batch_dim(node.args[0])
+    rank = val(node.args[0]).dim()
+    dim = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), rank) \
+        if node.target != aten.unbind.int else norm_dim(node.args[1] if len(node.args) > 1 else 0, rank)
+    if dim == tag.dim:
+        raise Mixing("splits along the batch dimension")
+    outs = node.meta["val"]
+    if node.target == aten.unbind.int:
+        tag = BatchDim(tag.dim - (dim < tag.dim), tag.inner)
+    return tuple(tag for _ in outs)
+
+
+@register_batch_rule(aten.cat.default)
+def _cat(node, B):
+    tensors = node.args[0]
+    rank = val(node).dim()
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, rank)
+    tags = set()
+    for t in tensors:
+        tag = batch_dim(t)
+        if tag is None:
+            raise Mixing("concatenates per-sample data with data shared by all samples")
+        tags.add(tag)
+    if len(tags) != 1 or dim == next(iter(tags)).dim:
+        raise Mixing("concatenates along the batch dimension")
+    return tags.pop()
+
+
+@register_batch_rule(*REDUCTIONS)
+def _reduction(node, B):
+    tag = batch_dim(node.args[0])
+    dims, keepdim = reduced_dims(node)
+    if tag.dim in dims:
+        raise Mixing("reduces over the batch dimension")
+    out = BatchDim(tag.dim if keepdim else tag.dim - sum(d < tag.dim for d in dims), tag.inner)
+    return (out, out) if isinstance(node.meta["val"], tuple) else out
+
+
+def _along_dim(dim_arg_index):
+    def rule(node, B):
+        tag = single_tag(node)
+        rank = val(node.args[0]).dim()
+        if norm_dim(node.args[dim_arg_index], rank) == tag.dim:
+            raise Mixing("normalises or accumulates along the batch dimension")
+        return (tag,) * len(node.meta["val"]) if isinstance(node.meta["val"], tuple) else tag
+    return rule
+
+
+register_batch_rule(aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default,
+                    aten.cumsum.default, aten.sort.default)(_along_dim(1))
+register_batch_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
+                    aligned=broadcast_aligned)(_along_dim(2))
+
+
+@register_batch_rule(aten.tril.default, aten.triu.default)
+def _tri(node, B):
+    tag = batch_dim(node.args[0])
+    if tag.dim >= val(node).dim() - 2:
+        raise Mixing("masks across the batch dimension")
+    return tag
+
+
+def _contraction(labels_a: str, labels_b: str, labels_out: str, a: fx.Node, b: fx.Node) -> BatchDim:
+    """Batch tag of a matmul-like op given einsum labels of its operands."""
+    placed = set()
+    for labels, x in ((labels_a, a), (labels_b, b)):
+        tag = batch_dim(x)
+        if tag is None:
+            continue
+        label = labels[tag.dim]
+        if label not in labels_out:
+            raise Mixing("contracts over the batch dimension")
+        placed.add((label, tag.inner))
+    if len(placed) != 1:
+        raise Mixing("multiplies two samples' data together")
+    label, inner = placed.pop()
+    return BatchDim(labels_out.index(label), inner)
+
+
+def _contraction_aligned(labels_a: str, labels_b: str, labels_out: str, first: int = 0):
+    """An untagged operand meets the batch where it carries the batch dimension's label."""
+    def aligned(node, tag, B):
+        label = labels_out[tag.dim]
+        operands = ((labels_a, node.args[first]), (labels_b, node.args[first + 1]))
+        return [(x, labels.index(label), tag.inner) for labels, x in operands
+                if batch_dim(x) is None and label in labels]
+    return aligned
+
+
+@register_batch_rule(aten.mm.default, aligned=_contraction_aligned("mk", "kn", "mn"))
+def _mm(node, B):
+    return _contraction("mk", "kn", "mn", node.args[0], node.args[1])
+
+
+def _addmm_aligned(node, tag, B):
+    bias = [a for a in broadcast_aligned(node, tag, B) if a[0] is node.args[0]]
+    return bias + _contraction_aligned("mk", "kn", "mn", first=1)(node, tag, B)
+
+
+@register_batch_rule(aten.addmm.default, aligned=_addmm_aligned)
+def _addmm(node, B):
+    if batch_dim(node.args[0]) is not None:
+        raise Mixing("adds a per-sample bias")  # never produced by nn.Linear
+    return _contraction("mk", "kn", "mn", node.args[1], node.args[2])
+
+
+@register_batch_rule(aten.bmm.default, aligned=_contraction_aligned("bmk", "bkn", "bmn"))
+def _bmm(node, B):
+    return _contraction("bmk", "bkn", "bmn", node.args[0], node.args[1])
+
+
+@register_batch_rule(aten.embedding.default, aligned=weights_only)
+def _embedding(node, B):
+    if batch_dim(node.args[0]) is not None:
+        raise Mixing("looks up rows of a per-sample table")
+    return batch_dim(node.args[1])
+
+
+@register_batch_rule(aten.embedding_dense_backward.default)
+def _embedding_backward(node, B):
+    raise Mixing("sums gradient rows of all samples into one table")
+
+
+def _leading(*positions):
+    """The untagged tensors at these argument positions have the samples' rows as dimension 0."""
+    def aligned(node, tag, B):
+        inner = single_tag(node).inner
+        args = [node.args[i] for i in positions if i < len(node.args)]
+        return [(x, 0, inner) for x in args if x in untagged(node) and val(x).dim() > 0]
+    return aligned
+
+
+@register_batch_rule(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, aligned=_leading(1))
+def _nll_loss_forward(node, B):
+    tag = single_tag(node)
+    if node.args[3] != 0 or tag.dim != 0:  # reduction "mean" or "sum" over the batch
+        raise Mixing("reduces the loss over the batch (use reduction='none')")
+    return (tag, None)
+
+
+@register_batch_rule(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default, aligned=_leading(0, 2))
+def _nll_loss_backward(node, B):
+    return batch_dim(node.args[1])
+
+
+def _attention_tag(node: fx.Node) -> BatchDim:
+    tag = single_tag(node)
+    if tag.dim != 0:
+        raise Mixing("attention over the batch dimension")
+    return tag
+
+
+_EFFICIENT_BWD = aten._scaled_dot_product_efficient_attention_backward.default
+
+
+def _has_rows(value, rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows  # not an empty debug mask
+
+
+def _attention_aligned(node, tag, B):
+    """A mask or bias broadcasts against (B, heads, L, S) from the right."""
+    inner, rank = single_tag(node).inner, val(node.args[0]).dim()
+    return [(x, 0, inner) for x in untagged(node) if val(x).dim() == rank]
+
+
+@register_batch_rule(*ATTENTION_BATCHED_OUTPUTS, aligned=_attention_aligned)
+def _fused_attention(node, B):
+    tag = _attention_tag(node)
+    batched = ATTENTION_BATCHED_OUTPUTS[node.target]
+    tags = [tag if i in batched and _has_rows(v, B * tag.inner) else None for i, v in enumerate(node.meta["val"])]
+    if node.target is _EFFICIENT_BWD and len(tags) > 3:
+        bias = node.args[4]
+        if batch_dim(bias) is not None:
+            tags[3] = tag  # a per-sample mask's gradient stays per sample
+        elif isinstance(bias, fx.Node) and node.args[10][3]:
+            # Its gradient sums over the samples and no per-sample rule covers it. Refused here:
+            # raising Mixing would untag dq/dk/dv too.
+            raise UnsupportedModelError(
+                f"{node.target} (node {node.name}) in {module_of(node)}: a trainable attention bias shared "
+                "by all samples has no per-sample gradient rule; make the bias a constant or per-sample mask")
+    return tuple(tags)
+
+
+@register_batch_rule(aten.native_layer_norm.default, aligned=weights_only)
+def _layer_norm(node, B):
+    tag = batch_dim(node.args[0])
+    if tag.dim >= val(node.args[0]).dim() - len(node.args[1]):
+        raise Mixing("normalises over the batch dimension")
+    return (tag, tag, tag)
+
+
+@register_batch_rule(aten.native_layer_norm_backward.default, aligned=weights_only)
+def _layer_norm_backward(node, B):
+    tag = batch_dim(node.args[1])
+    return (tag, None, None)  # weight and bias grads reduce over the batch
+
+
+@register_batch_rule(aten.convolution.default, aligned=weights_only)
+def _convolution(node, B):
+    if batch_dim(node.args[1]) is not None or batch_dim(node.args[0]) != BatchDim(0, 1):
+        raise Mixing("convolves with per-sample weights or over the batch dimension")
+    return batch_dim(node.args[0])
+
+
+@register_batch_rule(aten.convolution_backward.default, aligned=weights_only)
+def _convolution_backward(node, B):
+    return (batch_dim(node.args[1]), None, None)  # weight and bias grads reduce over the batch
+
+
+# Ops that move entries along a dimension. Along the batch dimension they put a record in
+# another row (or several rows, or none), so its loss depends on where the sampler put it.
+_MOVES_ROWS = "it moves rows along the batch dimension, so row i holds the record of another row"
+
+
+@register_batch_rule(aten.index_select.default, aligned=weights_only)
+def _index_select(node, B):
+    tag = batch_dim(node.args[0])
+    if tag is None or batch_dim(node.args[2]) is not None:
+        raise Mixing("indexes along the batch dimension")
+    if norm_dim(node.args[1], val(node).dim()) == tag.dim:
+        raise RowPosition(_MOVES_ROWS)
+    return tag
+
+
+@register_batch_rule(aten.flip.default, aten.roll.default)
+def _flip_roll(node, B):
+    tag = batch_dim(node.args[0])
+    rank = val(node).dim()
+    if node.target == aten.flip.default:
+        dims = node.args[1]
+    else:
+        dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
+    if not dims or tag.dim in [norm_dim(d, rank) for d in dims]:  # roll without dims rolls the flattened tensor
+        raise RowPosition(_MOVES_ROWS)
+    return tag
+
+
+@register_batch_rule(aten.index.Tensor, aten.gather.default)
+def _index_rows(node, B):
+    """Refused along the batch dimension; along other dims there are no rules for their backward."""
+    tag = batch_dim(node.args[0])
+    if tag is not None:
+        if node.target == aten.gather.default:
+            moves = norm_dim(node.args[1], val(node).dim()) == tag.dim
+        else:
+            moves = tag.dim < len(node.args[1]) and node.args[1][tag.dim] is not None
+        if moves:
+            raise RowPosition(_MOVES_ROWS)
+    no_rule(node)
+
+
+@register_batch_rule(aten.take.default)
+def _take(node, B):
+    if batch_dim(node.args[0]) is not None:
+        raise RowPosition("it reads the per-sample tensor as one flat list, so an output entry comes from "
+                           "whichever row the index names")
+    no_rule(node)

@@ -1,0 +1,212 @@
+"""Layering rules, checked by reading the source (no imports of the checked code).
+
+- Nothing outside ``longshield_fx/runtime/engine.py`` reaches into the engine's private
+  graph attributes (``engine.lower(...)`` is the public way to get the rewritten graph).
+- Private torch APIs (``torch._*``, ``torch.testing._internal``, ``torch.ops._*``) appear in
+  the package only in ``longshield_fx/_torch.py``, the adapter that lists them.
+- Layers: capture -> passes -> runtime, with custom ops in ``ops/`` below both. ``passes/``
+  never imports ``runtime``; ``runtime/`` imports ``passes`` only in ``engine.py`` (which
+  wires them); ``ops/`` and ``capture.py`` import neither; benchmarks never import tests.
+
+Each checker returns ``path:line: text`` for every violation. The last test plants one
+violation of each kind in a scratch tree and checks that every checker reports it.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "longshield_fx"
+THIS = Path(__file__).resolve()
+
+# Spelled in pieces so that this file's own source is no example of what it looks for.
+_ENGINE_PRIVATE = re.compile(r"\.(_" + r"train|_" + r"training_graph|_" + r"inspect|_" + r"lowered)\b")
+_DOTTED_TORCH = re.compile(r"\btorch(?:\.\w+)+")
+
+
+def _private_torch_name(dotted: str) -> bool:
+    """``torch._dynamo``, ``torch.testing._internal``, ``torch.ops._c10d_functional`` are private;
+    ``torch.__version__`` and aten op names such as ``torch.ops.aten._softmax`` are not."""
+    parts = dotted.split(".")
+    if parts[0] != "torch":
+        return False
+    if parts[1:2] == ["ops"]:
+        return len(parts) > 2 and parts[2].startswith("_")
+    return any(p.startswith("_") and p != "__version__" for p in parts[1:])
+
+
+def _py_files(root: Path, under: str) -> list[Path]:
+    base = root / under
+    files = [base] if base.is_file() else sorted(base.rglob("*.py"))
+    return [f for f in files if f.resolve() != THIS and ".venv" not in f.parts]
+
+
+def _code_lines(path: Path) -> dict[int, str]:
+    """Source lines with comments and string literals (docstrings included) blanked out."""
+    text = path.read_text()
+    lines = text.splitlines()
+    blank: dict[int, list[tuple[int, int]]] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING) or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+            (r0, c0), (r1, c1) = tok.start, tok.end
+            for r in range(r0, r1 + 1):
+                blank.setdefault(r, []).append((c0 if r == r0 else 0, c1 if r == r1 else len(lines[r - 1])))
+    out = {}
+    for i, line in enumerate(lines, 1):
+        chars = list(line)
+        for a, b in blank.get(i, ()):
+            chars[a:b] = " " * (b - a)
+        out[i] = "".join(chars)
+    return out
+
+
+def _where(root: Path, path: Path, line: int, text: str) -> str:
+    return f"{path.relative_to(root)}:{line}: {text.strip()}"
+
+
+def engine_private_uses(root: Path) -> list[str]:
+    """Uses of the engine's private graph attributes outside runtime/engine.py."""
+    engine = root / PACKAGE / "runtime" / "engine.py"
+    found = []
+    for under in (PACKAGE, "benchmarks", "tests"):
+        for path in _py_files(root, under):
+            if path == engine:
+                continue
+            for i, line in _code_lines(path).items():
+                if _ENGINE_PRIVATE.search(line):
+                    found.append(_where(root, path, i, path.read_text().splitlines()[i - 1]))
+    return found
+
+
+def private_torch_uses(root: Path) -> list[str]:
+    """Private torch APIs in the package outside the adapter ``_torch.py``: imports (any
+    form) and dotted uses in code (not in comments or strings)."""
+    adapter = root / PACKAGE / "_torch.py"
+    found = []
+    for path in _py_files(root, PACKAGE):
+        if path == adapter:
+            continue
+        lines, hits = path.read_text().splitlines(), set()
+        for i, line in _code_lines(path).items():
+            if any(_private_torch_name(m.group(0)) for m in _DOTTED_TORCH.finditer(line)):
+                hits.add(i)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if any(_private_torch_name(n) for n in names):
+                hits.add(node.lineno)
+        found += [_where(root, path, i, lines[i - 1]) for i in sorted(hits)]
+    return found
+
+
+def _imports(root: Path, path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import in ``path``, at any depth (function-level too).
+
+    ``from . import x`` yields ``package.x``, so importing a subpackage by name is seen."""
+    package = list(path.relative_to(root).parts[:-1])  # a module's package (an __init__'s too)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out.append((node.lineno, module))
+            out += [(node.lineno, f"{module}.{a.name}") for a in node.names]
+    return out
+
+
+# (files, forbidden module prefix, allowed files)
+LAYER_RULES = [
+    (f"{PACKAGE}/passes", f"{PACKAGE}.runtime", ()),
+    (f"{PACKAGE}/runtime", f"{PACKAGE}.passes", (f"{PACKAGE}/runtime/engine.py",)),
+    (f"{PACKAGE}/ops", f"{PACKAGE}.passes", ()),
+    (f"{PACKAGE}/ops", f"{PACKAGE}.runtime", ()),
+    (f"{PACKAGE}/capture.py", f"{PACKAGE}.passes", ()),
+    (f"{PACKAGE}/capture.py", f"{PACKAGE}.runtime", ()),
+    ("benchmarks", "tests", ()),
+    ("benchmarks", "oracles", ()),
+]
+
+
+def layer_violations(root: Path) -> list[str]:
+    found = []
+    for under, forbidden, allowed in LAYER_RULES:
+        for path in _py_files(root, under):
+            if str(path.relative_to(root)) in allowed:
+                continue
+            lines = path.read_text().splitlines()
+            for lineno, module in _imports(root, path):
+                if module == forbidden or module.startswith(forbidden + "."):
+                    found.append(_where(root, path, lineno, f"{lines[lineno - 1]}  (imports {forbidden})"))
+    return sorted(set(found))
+
+
+def _report(found: list[str], what: str) -> str:
+    return f"{len(found)} {what}:\n" + "\n".join(found)
+
+
+def test_nothing_outside_the_engine_touches_its_private_graphs():
+    found = engine_private_uses(REPO)
+    assert not found, _report(found, "uses of the engine's private graph attributes (use engine.lower(*batch))")
+
+
+def test_private_torch_apis_only_in_the_adapter():
+    found = private_torch_uses(REPO)
+    assert not found, _report(found, f"private torch APIs outside {PACKAGE}/_torch.py (add them there)")
+
+
+def test_layers_import_downwards_only():
+    found = layer_violations(REPO)
+    assert not found, _report(found, "imports against the layering capture -> passes -> runtime (ops below both)")
+
+
+def test_the_checkers_catch_planted_violations(tmp_path):
+    """Each checker reports a planted violation with its file and line, and accepts the
+    look-alikes that are allowed (engine.py itself, torch.__version__, prose, aten ops)."""
+    def plant(rel, text):
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    plant(f"{PACKAGE}/runtime/engine.py", "from ..passes import lower\nself._lowered = {}\n")
+    plant(f"{PACKAGE}/runtime/parallel.py", "import torch\n\n\ndef f():\n    from ..passes import clip\n")
+    plant(f"{PACKAGE}/passes/clip.py", '"""mentions torch._dynamo and engine._train in prose"""\n'
+          "import torch\nfrom .. import runtime\nx = torch.__version__  # torch._C in a comment\n"
+          "y = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu\n")
+    plant(f"{PACKAGE}/passes/bad.py", "from torch._subclasses import FakeTensorMode\nc = torch.ops._c10d_functional\n"
+          "from torch.testing._internal.distributed import fake_pg\nfrom torch import _dynamo\n")
+    plant(f"{PACKAGE}/_torch.py", "import torch._dynamo\n")
+    plant(f"{PACKAGE}/ops/ring.py", "from ..runtime.noise import KeyStream\n")
+    plant(f"{PACKAGE}/tools/plan.py", "g = engine._training_graph((ids, ids))\n")
+    plant("benchmarks/overlap.py", "from tests.passes.test_shard_grads import build\nengine._inspect\n")
+    plant("tests/test_x.py", "engine._train[0]\nengine._trainer  # another name\n")
+
+    assert engine_private_uses(tmp_path) == [
+        f"{PACKAGE}/tools/plan.py:1: g = engine._training_graph((ids, ids))",
+        "benchmarks/overlap.py:2: engine._inspect",
+        "tests/test_x.py:1: engine._train[0]",
+    ]
+    assert private_torch_uses(tmp_path) == [
+        f"{PACKAGE}/passes/bad.py:1: from torch._subclasses import FakeTensorMode",
+        f"{PACKAGE}/passes/bad.py:2: c = torch.ops._c10d_functional",
+        f"{PACKAGE}/passes/bad.py:3: from torch.testing._internal.distributed import fake_pg",
+        f"{PACKAGE}/passes/bad.py:4: from torch import _dynamo",
+    ]
+    assert layer_violations(tmp_path) == sorted([
+        f"{PACKAGE}/passes/clip.py:3: from .. import runtime  (imports {PACKAGE}.runtime)",
+        f"{PACKAGE}/runtime/parallel.py:5: from ..passes import clip  (imports {PACKAGE}.passes)",
+        f"{PACKAGE}/ops/ring.py:1: from ..runtime.noise import KeyStream  (imports {PACKAGE}.runtime)",
+        "benchmarks/overlap.py:1: from tests.passes.test_shard_grads import build  (imports tests)",
+    ])
