@@ -25,15 +25,15 @@ def worker(T: int, policy: str, repeats: int) -> dict:
     import torch
 
     import longshield_fx as lf
-    from longshield_fx.memory import estimate_memory
+    from longshield_fx.tools.memory import estimate_memory
     from longshield_fx.models import Llama
 
     torch.manual_seed(0)
     model = lf.CausalLMLoss(Llama.from_name("small", n_layers=8))
     engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0), checkpoint=None if policy == "none" else policy)
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
-    engine.accumulate(ids, ids)  # capture + warm-up
-    estimate = estimate_memory(engine.graph_module).peak_bytes
+    estimate = estimate_memory(engine.lower(ids, ids).gm).peak_bytes  # capture
+    engine.accumulate(ids, ids)  # warm-up
     with PeakRSS() as peak:
         engine.accumulate(ids, ids)
     steady_state_malloc()

@@ -1,8 +1,8 @@
 """Overlap of per-sample reduce-scatters with compute: cost model and a measured CPU run.
 
-1. Cost model (``longshield_fx.cost_model``): the reference Llama ("small", 4 layers,
-   T=4096, B=1) at cp=2, graphs built on a fake process group with and without the
-   ``overlap`` pass; exposed communication at each hardware preset, and timeline PNGs.
+1. Cost model (``longshield_fx.tools.cost_model``): the reference Llama ("small", 4 layers,
+   T=4096, B=1) at cp=2, graphs built on a fake process group (``engine.lower``) with and
+   without the ``overlap`` pass (``disable_passes=("overlap",)``); exposed communication at each hardware preset, and timeline PNGs.
 2. Measured: the same model under torchrun, 2 gloo ranks on this CPU, cp=2; each rank
    builds both engines (with and without the pass) and alternates their steps, so drift
    hits both alike; medians and their ratio.
@@ -22,33 +22,31 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "passes"))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+
+def _disabled(with_pass: bool) -> tuple[str, ...]:
+    return () if with_pass else ("overlap",)
 
 
 def build_graphs(T: int, cp: int = 2, layers: int = 4):
-    from torch.distributed.device_mesh import init_device_mesh
-    from test_shard_grads import fake_world
-
+    """{with the overlap pass: its rewritten training graph} on a fake process group."""
     import longshield_fx as lf
+    from longshield_fx._torch import fake_world
     from longshield_fx.models import Llama
 
     graphs = {}
-    with fake_world(cp):
-        mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    with fake_world(cp) as mesh:
         for with_pass in (False, True):
             torch.manual_seed(0)
             engine = lf.compile(lf.CausalLMLoss(Llama.from_name("small", n_layers=layers)), mesh,
-                                config=lf.DPConfig(1.0, 1.0))
-            engine.parallel.overlap = with_pass
+                                config=lf.DPConfig(1.0, 1.0), disable_passes=_disabled(with_pass))
             ids = torch.zeros(1, T, dtype=torch.long)
-            engine._training_graph((ids, ids))
-            graphs[with_pass] = engine.graph_module
+            graphs[with_pass] = engine.lower(ids, ids).gm
     return graphs
 
 
 def cost_model_report(T: int, out: str) -> list[str]:
-    from longshield_fx.cost_model import HARDWARE, draw_timeline, simulate
+    from longshield_fx.tools.cost_model import HARDWARE, draw_timeline, simulate
 
     graphs = build_graphs(T)
     lines = ["| hardware | exposed comm before (ms) | after (ms) | after / before | step before (ms) | after (ms) |",
@@ -66,22 +64,19 @@ def cost_model_report(T: int, out: str) -> list[str]:
 
 def bytes_table(seq_lens=(512, 2048, 8192), cp: int = 2) -> list[str]:
     """Per-sample-gradient bytes per step, input- vs output-stationary, from fake-tensor graphs."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from test_shard_grads import fake_world
-
     import longshield_fx as lf
+    from longshield_fx._torch import fake_world
     from longshield_fx.models import Llama
 
     lines = ["| T | input-stationary (MiB) | output-stationary (MiB) |", "|---|---|---|"]
-    with fake_world(cp):
-        mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    with fake_world(cp) as mesh:
         for T in seq_lens:
             row = []
             for comm in ("input_stationary", "output_stationary"):
                 engine = lf.compile(lf.CausalLMLoss(Llama.from_name("small")), mesh,
                                     config=lf.DPConfig(1.0, 1.0, per_sample_comm=comm))
                 ids = torch.zeros(1, T, dtype=torch.long)
-                engine._training_graph((ids, ids))
+                engine.lower(ids, ids)
                 b = engine.communication_bytes()
                 row.append((b["reduce_scatter"] + b["all_reduce"] + b["all_gather"]) / 2**20)
             lines.append(f"| {T} | {row[0]:.2f} | {row[1]:.2f} |")
@@ -101,8 +96,8 @@ def worker(T: int, repeats: int):
     for with_pass in (False, True):
         torch.manual_seed(0)
         model = lf.CausalLMLoss(Llama.from_name("small"))
-        engines[with_pass] = lf.compile(model, mesh, config=lf.DPConfig(1.0, 1.0))
-        engines[with_pass].parallel.overlap = with_pass
+        engines[with_pass] = lf.compile(model, mesh, config=lf.DPConfig(1.0, 1.0),
+                                        disable_passes=_disabled(with_pass))
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
     # One sample in every logical batch (N = 1, q = 1): what finalize divides by and accounts.
     logical = lf.data.LogicalBatch(size=1, indices=torch.arange(1), physical=[], sample_rate=1.0, expected_size=1.0)

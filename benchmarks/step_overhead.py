@@ -45,6 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _measure import PeakRSS, fresh_process, median, steady_state_malloc, timed  # noqa: E402
+from _methods import C, SIGMA, make_step  # noqa: E402
 
 METHODS = ["eager", "captured", "dp", "dp_block", "opacus_hooks", "opacus_ghost", "vmap"]
 LABELS = {
@@ -56,150 +57,10 @@ LABELS = {
     "opacus_ghost": "(e) Opacus ghost",
     "vmap": "(f) vmap(grad)",
 }
-C, SIGMA, LR = 1.0, 1.0, 1e-4
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-# --- workers (run in a fresh process) ------------------------------------------------------
-
-def _register_rmsnorm_grad_sampler():
-    """Opacus has no per-sample rule for the reference Llama's RMSNorm: give it one."""
-    import torch
-    from opacus.grad_sample import register_grad_sampler
-
-    from longshield_fx.models.llama import RMSNorm
-
-    @register_grad_sampler(RMSNorm)
-    def rmsnorm_grad_sample(layer, activations, backprops):
-        x = activations[0].float()
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + layer.eps)
-        return {layer.weight: torch.einsum("b...d,b...d->bd", backprops, normed.to(x.dtype))}
-
-
-class _PerSampleLossCriterion:
-    """Opacus ghost clipping's criterion: the model already returns per-sample losses (B,).
-
-    ``DPLossFastGradientClipping`` sets ``reduction="none"`` around the call and wraps the
-    (B,) result; "sum" is what the non-private objective uses.
-    """
-
-    def __init__(self):
-        self.reduction = "sum"
-
-    def __call__(self, per_sample_loss):
-        return per_sample_loss if self.reduction == "none" else per_sample_loss.sum()
-
-
-def make_step(method: str, T: int, B: int):
-    """Build the model and optimizer for ``method``; return a closure running one training step."""
-    import torch
-
-    import longshield_fx as lf
-    from longshield_fx.models import Llama
-
-    torch.manual_seed(0)
-    model = lf.CausalLMLoss(Llama.from_name("small"))
-    ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
-
-    if method == "eager":
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-        def step():
-            model(ids, ids).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        return step
-
-    if method == "captured":
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        params = dict(model.named_parameters())
-        state = {}
-
-        def step():
-            if "cg" not in state:
-                state["cg"] = lf.capture(model, (ids, ids))
-            cg = state["cg"]
-            with torch.no_grad():
-                _, *grads = cg.gm(*cg.gather_args(model, (ids, ids), torch.ones(B)))
-            for name, g in zip(cg.param_names, grads):
-                params[name].grad = g
-            del grads
-            opt.step()
-            opt.zero_grad()
-        return step
-
-    if method in ("dp", "dp_block"):
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        engine = lf.compile(model, config=lf.DPConfig(C, SIGMA),
-                            checkpoint="block" if method == "dp_block" else None)
-        # All B rows in every logical batch (N = B, q = 1): finalize divides by E[B] = B, as before.
-        logical = lf.data.LogicalBatch(size=B, indices=torch.arange(B), physical=[], sample_rate=1.0,
-                                       expected_size=float(B))
-
-        def step():
-            engine.accumulate(ids, ids)
-            engine.finalize(logical)
-            opt.step()
-            opt.zero_grad()
-        return step
-
-    if method in ("opacus_hooks", "opacus_ghost"):
-        from opacus import PrivacyEngine
-        from torch.utils.data import DataLoader, TensorDataset
-
-        _register_rmsnorm_grad_sampler()
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        loader = DataLoader(TensorDataset(ids, ids), batch_size=B)
-        common = dict(optimizer=opt, data_loader=loader, noise_multiplier=SIGMA, max_grad_norm=C,
-                      loss_reduction="sum", poisson_sampling=False, clipping="flat",
-                      noise_generator=torch.Generator().manual_seed(0))
-        if method == "opacus_hooks":
-            gsm, dp_opt, _ = PrivacyEngine().make_private(module=model, grad_sample_mode="hooks", **common)
-
-            def step():
-                gsm(ids, ids).sum().backward()
-                dp_opt.step()
-                dp_opt.zero_grad()
-            return step
-        criterion = _PerSampleLossCriterion()
-        gsm, dp_opt, dp_loss, _ = PrivacyEngine().make_private(
-            module=model, grad_sample_mode="ghost", criterion=criterion, **common)
-
-        def step():
-            dp_loss(gsm(ids, ids)).backward()  # two backward passes: norms, then clipped sum
-            dp_opt.step()
-            dp_opt.zero_grad()
-        return step
-
-    if method == "vmap":
-        from torch.func import functional_call, grad, vmap
-
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        named = dict(model.named_parameters())
-        noise = torch.Generator().manual_seed(0)
-
-        def sample_loss(p, x, y):
-            return functional_call(model, p, (x[None], y[None])).sum()
-
-        per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-
-        def step():
-            params = {k: v.detach() for k, v in named.items()}
-            g = per_sample_grads(params, ids, ids)
-            with torch.no_grad():
-                norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in g.values()))
-                factor = (C / (norms + 1e-6)).clamp(max=1.0)
-                for k, v in g.items():
-                    total = torch.einsum("b,b...->...", factor, v)
-                    total += SIGMA * C * torch.randn(total.shape, generator=noise)
-                    named[k].grad = total / B
-            del g
-            opt.step()
-            opt.zero_grad()
-        return step
-
-    raise ValueError(f"unknown method {method!r}")
-
+# --- workers (run in a fresh process) -----------------------------------------------------
 
 def worker(method: str, T: int, B: int, repeats: int, budget: float, mem_limit_gb: float, threads: int) -> dict:
     """Warm-up step, peak-memory step, then timed steps while ``budget`` seconds allow.
@@ -349,7 +210,7 @@ def plot(results, seq_lens, batch_sizes, methods, path):
     fig.savefig(path, dpi=120)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (at most)")
     parser.add_argument("--time-budget", type=float, default=1080.0,
@@ -367,28 +228,28 @@ def main():
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per worker (0: torch's default, one per core)")
     parser.add_argument("--worker", nargs=7, metavar=("METHOD", "T", "B", "REPEATS", "BUDGET", "MEM_GB", "THREADS"))
-    args = parser.parse_args()
-    if args.worker:
-        method, T, B, repeats, budget, mem, threads = args.worker
-        print(json.dumps(worker(method, int(T), int(B), int(repeats), float(budget), float(mem), int(threads))))
-        return
+    return parser
 
-    methods = [m for m in METHODS if m in args.methods or m == "eager"]  # ratios need (a)
-    # Run order: the headline pair eager / dp back to back, then the rest.
-    # Opacus ghost last: its steps are the slowest and overrun their budget share, which would
-    # otherwise come out of the shares of the methods after it.
-    run_order = ["eager"] + [m for m in ("dp", "dp_block", "captured") if m in methods]
-    run_order += [m for m in methods if m not in run_order and m != "opacus_ghost"]
-    run_order += [m for m in methods if m == "opacus_ghost"]
-    load_before = os.getloadavg()
-    loads = []
+
+def run_order(methods: list[str]) -> list[str]:
+    """The headline pair eager / dp back to back, then the rest; Opacus ghost last: its steps are
+    the slowest and overrun their budget share, which would otherwise come out of the shares of
+    the methods after it."""
+    order = ["eager"] + [m for m in ("dp", "dp_block", "captured") if m in methods]
+    order += [m for m in methods if m not in order and m != "opacus_ghost"]
+    return order + [m for m in methods if m == "opacus_ghost"]
+
+
+def sweep(args, methods: list[str]) -> dict:
+    """Run every (round, T, B, method) in a fresh process, interleaved (rounds outermost, methods
+    innermost, so the methods of one (T, B) run back to back). Returns the raw results and loads."""
+    out = {"load_before": os.getloadavg(), "loads": []}
     start = time.perf_counter()
     deadline = start + args.time_budget
     overhead = 6.0  # seconds per process outside its steps (imports, model, exit); updated as we go
     overheads = []
-    # Interleaved: rounds outermost, methods innermost, so the methods of one (T, B) run back to back.
     plan = [(rnd, T, B, m) for rnd in range(args.rounds) for T in args.seq_lens
-            for B in args.batch_sizes for m in run_order]
+            for B in args.batch_sizes for m in run_order(methods)]
     raw = {(T, B): {m: [] for m in methods} for T in args.seq_lens for B in args.batch_sizes}
     for i, (rnd, T, B, m) in enumerate(plan):
         # This process's share of what is left of the time budget, by its expected step cost;
@@ -404,66 +265,79 @@ def main():
         if "steps_s" in r:
             overheads.append(wall - r["steps_s"])
             overhead = median(overheads)
-        loads.append(os.getloadavg()[0])
+        out["loads"].append(os.getloadavg()[0])
         status = r["error"] if "error" in r else (f"{r['time']:.3f}{r['flag']} s x{len(r['times'])}, "
                                                  f"{r['peak'] / 2**20:.0f} MiB")
         print(f"[{time.perf_counter() - start:5.0f} s] round {rnd + 1} T={T} B={B} {m}: {status} "
-              f"(process {wall:.0f} s, budget {budget:.0f} s, load {loads[-1]:.2f})", file=sys.stderr, flush=True)
-    total = time.perf_counter() - start
-    load_after = os.getloadavg()
-    results = {k: {m: combine(v) for m, v in per.items()} for k, per in raw.items()}
+              f"(process {wall:.0f} s, budget {budget:.0f} s, load {out['loads'][-1]:.2f})", file=sys.stderr,
+              flush=True)
+    out.update(raw=raw, total=time.perf_counter() - start, load_after=os.getloadavg())
+    return out
 
-    import torch
-    table = fmt_table(results, args.seq_lens, args.batch_sizes, methods)
-    repeats_used = sorted({r["n"] for per in results.values() for r in per.values() if "n" in r})
-    threads_used = sorted({r["threads"] for per in raw.values() for rs in per.values() for r in rs
-                           if "threads" in r}) or ["?"]
-    threads_used = "/".join(map(str, threads_used))
-    headline = []
+
+def headline(results: dict) -> list[str]:
+    """The targets at T=4096, B=1: DP / eager time and peak memory, and the Opacus modes."""
+    lines = []
     for T, B in [(4096, 1)] if (4096, 1) in results else []:
         row, base = results[(T, B)], results[(T, B)]["eager"]
         if "error" in base:
             break
         for m in ("dp", "dp_block"):
             if m in row and "error" not in row[m]:
-                headline.append(f"- T={T}, B={B}: {LABELS[m]} / (a): time ×{row[m]['time'] / base['time']:.2f} "
-                                f"(target ≤ 1.15), peak memory ×{row[m]['peak'] / base['peak']:.2f} (target ≤ 1.10).")
+                lines.append(f"- T={T}, B={B}: {LABELS[m]} / (a): time ×{row[m]['time'] / base['time']:.2f} "
+                             f"(target ≤ 1.15), peak memory ×{row[m]['peak'] / base['peak']:.2f} (target ≤ 1.10).")
         for m in ("opacus_hooks", "opacus_ghost"):
             if m in row:
                 r = row[m]
-                headline.append(f"- T={T}, B={B}: {LABELS[m]} / (a): " + (
+                lines.append(f"- T={T}, B={B}: {LABELS[m]} / (a): " + (
                     f"failed ({r['error']})" if "error" in r else
                     f"time ×{r['time'] / base['time']:.2f}, peak memory ×{r['peak'] / base['peak']:.2f}"))
+    return lines
+
+
+def report(args, methods: list[str], run: dict, results: dict) -> str:
+    import torch
+
+    raw, loads = run["raw"], run["loads"]
+    repeats_used = sorted({r["n"] for per in results.values() for r in per.values() if "n" in r}) or [0]
+    threads_used = "/".join(map(str, sorted({r["threads"] for per in raw.values() for rs in per.values() for r in rs
+                                             if "threads" in r}) or ["?"]))
     legend = "; ".join(f"{LABELS[m].split()[0]} = {' '.join(LABELS[m].split()[1:])}" for m in methods)
-    summary = [
-        "# Step overhead of DP training (CPU)",
-        "",
-        f"`python benchmarks/step_overhead.py {' '.join(sys.argv[1:])}`".replace("  ", " "),
-        "",
+    return "\n".join([
+        "# Step overhead of DP training (CPU)", "",
+        f"`python benchmarks/step_overhead.py {' '.join(sys.argv[1:])}`".replace("  ", " "), "",
         f"Reference Llama `small` (vocab 256, 4 layers, dim 256, GQA 8/2) + `CausalLMLoss`, AdamW, "
         f"DP methods flat clipping C={C}, σ={SIGMA}. Methods: {legend}. Per method: median step seconds "
         "(`s`), its ratio to (a) (`t×`), peak MiB of one step above the pre-step RSS (`MiB`), its ratio "
         "to (a) (`m×`). A fresh process per cell; methods run interleaved (methods innermost, "
-        f"{args.rounds} round(s)); {repeats_used[0] if repeats_used else 0}–{repeats_used[-1] if repeats_used else 0} "
+        f"{args.rounds} round(s)); {repeats_used[0]}–{repeats_used[-1]} "
         f"timed steps per cell (at most {args.repeats} per round, fewer where the {args.time_budget:.0f} s "
         "budget ran short) after a warm-up and a peak-memory step. Timed steps use glibc's steady-state "
         "malloc thresholds after a re-warm step; `r` = no re-warm step (budget short), `p` = the time of "
-        "the peak-memory step (64 KiB mmap threshold) is reported.",
-        "",
+        "the peak-memory step (64 KiB mmap threshold) is reported.", "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}, {threads_used} torch threads per worker. Load average (1/5/15 min) before: "
-        f"{' / '.join(f'{x:.2f}' for x in load_before)}, after: {' / '.join(f'{x:.2f}' for x in load_after)}; "
+        f"{' / '.join(f'{x:.2f}' for x in run['load_before'])}, after: "
+        f"{' / '.join(f'{x:.2f}' for x in run['load_after'])}; "
         f"1-min load after each cell: median {median(loads):.2f}, max {max(loads):.2f} "
         "(the benchmark's own worker accounts for about 1–2; well above 2, other processes share the "
         "2 cores and the timings are disturbed: re-run).",
-        f"Total wall time: {total:.0f} s ({total / 60:.1f} min).",
-        "",
-        *headline,
-        "",
-        table,
-        "",
-    ]
-    text = "\n".join(summary)
+        f"Total wall time: {run['total']:.0f} s ({run['total'] / 60:.1f} min).", "",
+        *headline(results), "",
+        fmt_table(results, args.seq_lens, args.batch_sizes, methods), "",
+    ])
+
+
+def main():
+    args = build_parser().parse_args()
+    if args.worker:
+        method, T, B, repeats, budget, mem, threads = args.worker
+        print(json.dumps(worker(method, int(T), int(B), int(repeats), float(budget), float(mem), int(threads))))
+        return
+    methods = [m for m in METHODS if m in args.methods or m == "eager"]  # ratios need (a)
+    run = sweep(args, methods)
+    results = {k: {m: combine(v) for m, v in per.items()} for k, per in run["raw"].items()}
+    text = report(args, methods, run, results)
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_overhead.md"), "w") as f:

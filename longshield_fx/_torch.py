@@ -14,6 +14,7 @@ private API                                                        why
 ``torch._ops.OpOverload``                                            "is this an aten overload with tags"
 ``torch.ops._c10d_functional``                                       functional collectives in graphs
 ``torch.testing._internal.distributed.fake_pg``                      registers the "fake" process group
+``torch.distributed.distributed_c10d._resolve_process_group``        a graph's group name -> its group
 =================================================================  ======================================
 """
 from __future__ import annotations
@@ -27,10 +28,16 @@ from torch._functorch._aot_autograd import descriptors  # noqa: F401  (re-export
 from torch._ops import OpOverload  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (re-exported)
 
-__all__ = ["COLLECTIVES", "FakeTensorMode", "OpOverload", "c10d", "descriptors", "export_joint", "fake_world"]
+__all__ = ["COLLECTIVES", "FakeTensorMode", "OpOverload", "c10d", "descriptors", "export_joint", "fake_world",
+           "resolve_process_group"]
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = {c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.all_gather_into_tensor.default}
+
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a functional collective or custom op names by ``group_name``."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
 
 
 def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.GraphModule, object]:

@@ -1,13 +1,28 @@
-"""Shared fixtures: the fake world, tiny models and batches, and shared captures.
+"""Shared fixtures: the fake world, tiny models and batches, shared captures, and the
+multi-process launches.
 
 Captures (dynamo + aot-autograd export + the passes) are most of this suite's time, so a
 graph that several tests read is lowered once per session here and the tests only read
 it: never mutate a shared graph, engine or model (a test that monkeypatches, trains or
 rewrites builds its own). Oracles and the tiny models themselves live in ``oracles.py``.
+
+Multi-process checks run in ONE torchrun launch of ``runtime/cp_worker.py`` per world size
+(``distributed``). Tests that read a launch are marked ``torchrun(world)``; the launches
+they need start in the background as soon as collection ends and those tests run last, so
+the launches run while the single-process tests do. ``torchrun`` tests are also ``slow``:
+``-m "not slow"`` skips the launches altogether.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +32,13 @@ from longshield_fx import _torch
 from longshield_fx.passes import Lowered
 
 from oracles import tiny_llama, token_batch, vmap_per_sample_grads
+
+
+def pytest_configure(config):
+    # One intra-op thread: every graph here is tiny, and with 2 threads on this 2-core
+    # machine, shared with the background torchrun ranks, OpenMP spin-waits made a tiny
+    # Llama step 80x slower (0.96 s instead of 0.012 s, measured under load 3).
+    torch.set_num_threads(1)
 
 
 # --- fake world ------------------------------------------------------------------------------
@@ -47,11 +69,15 @@ def tokens():
 
 @dataclass
 class Shared:
-    """A lowered engine that several tests read. ``lowered = engine.lower(*batch, graph=...)``."""
+    """A lowered engine that several tests read: ``lowered = engine.lower(*batch, graph=...)``;
+    for a per-sample capture also the model, our per-sample gradients and the oracle's."""
 
     engine: object
     batch: tuple
     lowered: Lowered
+    model: torch.nn.Module | None = None
+    ours: dict | None = None
+    ref: dict | None = None
 
     @property
     def gm(self):
@@ -90,9 +116,8 @@ def tiny_per_sample():
     model, batch = tiny_llama(), token_batch()
     engine = lf.compile(model)
     ours = engine.per_sample_grads(*batch)
-    shared = Shared(engine, batch, engine.lower(*batch, graph="per_sample"))
-    shared.model, shared.ours, shared.ref = model, ours, vmap_per_sample_grads(model, batch)
-    return shared
+    return Shared(engine, batch, engine.lower(*batch, graph="per_sample"), model, ours,
+                  vmap_per_sample_grads(model, batch))
 
 
 def collectives(gm) -> str:
@@ -114,3 +139,118 @@ def collectives(gm) -> str:
 def describe_collectives():
     """``describe_collectives(gm) -> str``: one line per distinct collective, with counts."""
     return collectives
+
+
+# --- multi-process launches ----------------------------------------------------------------------
+
+WORKER = Path(__file__).parent / "runtime" / "cp_worker.py"
+LAUNCH_TIMEOUT_S = 900
+
+
+class Launches:
+    """torchrun launches of cp_worker.py: at most one per world size per session, one at a
+    time (a launch of N ranks already keeps both cores busy)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._closed = False
+        self.procs: dict[int, tuple] = {}  # world -> (process, output dir, log file)
+        self.done: dict[int, tuple] = {}  # world -> (return code, log text, {rank: results})
+
+    def _start(self, world: int):
+        """Start the launch of ``world`` ranks unless it has started; return its process. Under the lock."""
+        if world not in self.procs:
+            out = Path(tempfile.mkdtemp(prefix=f"longshield-world{world}-"))
+            log = open(out / "log.txt", "w+")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   str(WORKER), str(out)]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            # Its own session: the launch (torchrun and its ranks) can be ended by its group id.
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.procs[world] = (proc, out, log)
+        return self.procs[world][0]
+
+    def start_in_background(self, worlds) -> None:
+        """Run the launches of ``worlds`` one after the other while the tests go on."""
+        def chain():
+            for world in worlds:
+                with self._lock:
+                    if self._closed:
+                        return
+                    proc = self._start(world)
+                proc.wait()
+
+        threading.Thread(target=chain, daemon=True).start()
+
+    def results(self, world: int) -> tuple:
+        """(return code, log, {rank: {check: results}}), waiting for the launch to end."""
+        if world not in self.done:
+            with self._lock:
+                proc = self._start(world)
+            _, out, log = self.procs[world]
+            try:
+                rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = f"killed after {LAUNCH_TIMEOUT_S} s"
+            log.seek(0)
+            text = log.read()
+            ranks = {r: torch.load(out / f"rank{r}.pt", weights_only=False)
+                     for r in range(world) if (out / f"rank{r}.pt").exists()}
+            self.done[world] = (rc, text, ranks)
+        return self.done[world]
+
+    def check(self, world: int, name: str) -> dict:
+        """{rank: results} of check ``name`` of the world-size-``world`` launch; fails the
+        calling test with the launch's log when a rank has no result for it."""
+        rc, text, ranks = self.results(world)
+        missing = [r for r in range(world) if name not in ranks.get(r, {})]
+        errors = [ranks[r][name]["error"] for r in range(world) if isinstance(ranks.get(r, {}).get(name), dict)
+                  and isinstance(ranks[r][name].get("error"), str) and "Traceback" in ranks[r][name]["error"]]
+        if errors or (missing and name != "dead_peer"):
+            pytest.fail(f"cp_worker (world {world}, exit {rc}) has no result for {name!r} on ranks {missing}:\n"
+                        + "\n".join(errors) + "\n--- log tail ---\n" + text[-4000:], pytrace=False)
+        return {r: ranks[r][name] for r in range(world) if name in ranks.get(r, {})}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for proc, out, log in self.procs.values():
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                log.close()
+                shutil.rmtree(out, ignore_errors=True)
+
+
+_LAUNCHES = Launches()
+
+
+@pytest.fixture(scope="session")
+def distributed():
+    """``distributed.check(world, name) -> {rank: results}``: what check ``name`` of the
+    cp_worker launch of ``world`` ranks measured (see runtime/cp_worker.py)."""
+    return _LAUNCHES
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Tests that read a launch are ``slow`` (before -m deselects: the launch is slow, whatever
+    the test takes) and run last, so the launches run while the other tests do."""
+    for item in items:
+        if item.get_closest_marker("torchrun") is not None:
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("torchrun") is not None)  # stable
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    worlds = {w for item in session.items for m in item.iter_markers("torchrun") for w in m.args}
+    if worlds:
+        _LAUNCHES.start_in_background(sorted(worlds, reverse=True))  # the longer launch first
+
+
+def pytest_sessionfinish(session):
+    _LAUNCHES.close()

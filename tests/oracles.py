@@ -1,4 +1,5 @@
-"""Shared test oracles and tiny models."""
+"""Shared test oracles (what our results are compared against) and the tiny models and batches
+they run on. Imported by tests, ``conftest.py`` and ``runtime/cp_worker.py`` alike."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,6 +26,22 @@ def vmap_per_sample_grads(model: nn.Module, batch) -> dict:
         return functional_call(model, (p, buffers), tuple(s[None] for s in sample)).sum()
 
     return vmap(grad(loss), in_dims=(None, *([0] * len(batch))))(params, *batch)
+
+
+def assert_matches_vmap(model: nn.Module, batch, ours: dict | None = None, ref: dict | None = None,
+                        atol: float = 1e-5) -> dict:
+    """Our per-sample gradients (``ours``, or from a fresh ``lf.compile(model)``) against the
+    torch.func oracle (``ref``, or computed): every trainable parameter, shape (B, *p.shape).
+    Returns ours."""
+    ours = lf.compile(model).per_sample_grads(*batch) if ours is None else ours
+    ref = vmap_per_sample_grads(model, batch) if ref is None else ref
+    B = batch[0].shape[0]
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert set(ours) == set(ref) == set(trainable)
+    for name, p in trainable.items():
+        assert ours[name].shape == (B, *p.shape), name
+        torch.testing.assert_close(ours[name], ref[name], atol=atol, rtol=1e-4, msg=name)
+    return ours
 
 
 class MLP(nn.Module):
@@ -71,3 +88,56 @@ def hf_gpt2(seed=0):
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
                                   eos_token_id=None, tie_word_embeddings=True, attn_implementation="sdpa")
     return lf.CausalLMLoss(transformers.GPT2LMHeadModel(cfg))
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+def attention_inputs(seed: int, B=2, HQ=4, HKV=2, T=32, D=8):
+    """q (B, HQ, T, D), k and v (B, HKV, T, D) and an output gradient, from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, T, D, generator=g)
+    k = torch.randn(B, HKV, T, D, generator=g)
+    v = torch.randn(B, HKV, T, D, generator=g)
+    grad = torch.randn(B, HQ, T, D, generator=g)
+    return q, k, v, grad
+
+
+def causal_attention(q, k, v, grad):
+    """The oracle for ring attention: full causal attention with the K/V heads repeated
+    (GQA) by plain SDPA and autograd. Returns out, lse and (dq, dk, dv)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.detach(), kr.detach(), vr.detach(), 0.0, True)
+    return out.detach(), lse, grads
+
+
+# --- the distributed cases (tests/runtime/cp_worker.py runs them, test_parallel.py checks them) ---
+
+# name -> (world size, model kind, dp, checkpoint policy, per_sample_comm); cp = world // dp.
+CP_CASES = {
+    "cp2-llama": (2, "llama", 1, None, "input_stationary"),
+    "cp2-hf_llama": (2, "hf_llama", 1, None, "input_stationary"),
+    "cp2-llama-block": (2, "llama", 1, "block", "input_stationary"),
+    "cp2-hf_llama-selective": (2, "hf_llama", 1, "selective", "input_stationary"),
+    "cp2-llama-output_stationary": (2, "llama", 1, None, "output_stationary"),
+    "cp4-llama": (4, "llama", 1, None, "input_stationary"),
+    "cp4-hf_llama": (4, "hf_llama", 1, None, "input_stationary"),
+    "dp2cp2-llama": (4, "llama", 2, None, "input_stationary"),
+    "dp2cp2-hf_llama": (4, "hf_llama", 2, None, "input_stationary"),
+}
+CP_CLIP = 0.05  # max_grad_norm of the distributed cases: small enough that samples are clipped
+CP_NOISE_SEED, CP_NOISE_E = 7, 4.0  # the noisy run: insecure_seed, and the expected batch size it divides by
+
+
+def case_model(kind: str):
+    return {"llama": tiny_llama, "hf_llama": hf_llama}[kind](seed=0)
+
+
+def case_batches(kind: str, dp: int, T: int = 16) -> list:
+    """One (2, T) batch of token ids per dp replica (input ids = labels)."""
+    vocab = 128 if kind == "hf_llama" else 256
+    return [torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(s)) for s in range(dp)]

@@ -3,14 +3,13 @@ import time
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import longshield_fx as lf
+from longshield_fx._torch import FakeTensorMode
 from longshield_fx.capture import capture
 from longshield_fx.models import Llama
-from longshield_fx.passes import PassContext, run_passes
-from longshield_fx.passes.batch_dims import batch_dims
-from longshield_fx.passes.per_sample import per_sample
+from longshield_fx.passes import PassContext, lower, pipeline
+from longshield_fx.passes._context import PER_SAMPLE_GRAD
 
 from oracles import MLP, mlp_batch, tiny_llama, token_batch
 
@@ -19,7 +18,7 @@ def test_parameters_are_inputs_and_grads_are_mapped():
     model = MLP()
     captured = capture(model, mlp_batch())
     kinds = [k for k, _ in captured.inputs]
-    assert kinds == ["param"] * 4 + ["input", "input", "cotangent"]
+    assert kinds == ["param"] * len(list(model.parameters())) + ["input", "input", "cotangent"]
     assert captured.param_names == [n for n, _ in model.named_parameters()]
     for name, p in model.named_parameters():
         node = captured.grad_nodes[name]
@@ -51,9 +50,11 @@ def test_llama_8b_shapes_capture_on_fake_tensors():
         model = lf.CausalLMLoss(Llama.from_name("llama3.1-8b"))
         ids = torch.randint(0, 128256, (1, 4096))
     captured = capture(model, (ids, ids))
-    ctx = PassContext(captured, 1)
-    run_passes(captured.gm, ctx, [batch_dims, per_sample])
+    lowered = lower(PassContext(captured, 1), pipeline(training=False))
     elapsed = time.time() - start
-    assert len(ctx.per_sample) == 32 * 9 + 3
-    assert tuple(ctx.per_sample["lm.layers.0.attention.wk.weight"].dense.meta["val"].shape) == (1, 1024, 4096)
+    names = [n for n, _ in model.named_parameters()]
+    assert captured.param_names == names
+    assert all(PER_SAMPLE_GRAD in lowered.ctx.param_meta(n) for n in names)
+    wk = lowered.ctx.param_meta("lm.layers.0.attention.wk.weight")[PER_SAMPLE_GRAD]
+    assert tuple(wk.dense.meta["val"].shape) == (1, *model.lm.layers[0].attention.wk.weight.shape)
     print(f"8B capture + batch_dims + per_sample on fake tensors: {elapsed:.1f}s")

@@ -6,7 +6,8 @@
   the package only in ``longshield_fx/_torch.py``, the adapter that lists them.
 - Layers: capture -> passes -> runtime, with custom ops in ``ops/`` below both. ``passes/``
   never imports ``runtime``; ``runtime/`` imports ``passes`` only in ``engine.py`` (which
-  wires them); ``ops/`` and ``capture.py`` import neither; benchmarks never import tests.
+  wires them); ``ops/`` and ``capture.py`` import neither; benchmarks never import tests,
+  and no test file imports another (or conftest).
 
 Each checker returns ``path:line: text`` for every violation. The last test plants one
 violation of each kind in a scratch tree and checks that every checker reports it.
@@ -140,6 +141,19 @@ LAYER_RULES = [
 ]
 
 
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Test files importing another test file or conftest (shared code goes to conftest
+    fixtures or oracles.py)."""
+    found = []
+    for path in _py_files(root, "tests"):
+        lines = path.read_text().splitlines()
+        for lineno, module in _imports(root, path):
+            last = module.rsplit(".", 1)[-1]
+            if last.startswith("test_") or last == "conftest":
+                found.append(_where(root, path, lineno, lines[lineno - 1]))
+    return sorted(set(found))
+
+
 def layer_violations(root: Path) -> list[str]:
     found = []
     for under, forbidden, allowed in LAYER_RULES:
@@ -172,6 +186,11 @@ def test_layers_import_downwards_only():
     assert not found, _report(found, "imports against the layering capture -> passes -> runtime (ops below both)")
 
 
+def test_no_test_file_imports_another():
+    found = imports_of_test_modules(REPO)
+    assert not found, _report(found, "imports of test modules (move shared code to conftest.py or oracles.py)")
+
+
 def test_the_checkers_catch_planted_violations(tmp_path):
     """Each checker reports a planted violation with its file and line, and accepts the
     look-alikes that are allowed (engine.py itself, torch.__version__, prose, aten ops)."""
@@ -192,6 +211,8 @@ def test_the_checkers_catch_planted_violations(tmp_path):
     plant(f"{PACKAGE}/tools/plan.py", "g = engine._training_graph((ids, ids))\n")
     plant("benchmarks/overlap.py", "from tests.passes.test_shard_grads import build\nengine._inspect\n")
     plant("tests/test_x.py", "engine._train[0]\nengine._trainer  # another name\n")
+    plant("tests/passes/test_y.py", "from oracles import tiny_llama\nfrom test_shard_grads import build\n"
+          "import conftest\n")
 
     assert engine_private_uses(tmp_path) == [
         f"{PACKAGE}/tools/plan.py:1: g = engine._training_graph((ids, ids))",
@@ -203,6 +224,10 @@ def test_the_checkers_catch_planted_violations(tmp_path):
         f"{PACKAGE}/passes/bad.py:2: c = torch.ops._c10d_functional",
         f"{PACKAGE}/passes/bad.py:3: from torch.testing._internal.distributed import fake_pg",
         f"{PACKAGE}/passes/bad.py:4: from torch import _dynamo",
+    ]
+    assert imports_of_test_modules(tmp_path) == [
+        "tests/passes/test_y.py:2: from test_shard_grads import build",
+        "tests/passes/test_y.py:3: import conftest",
     ]
     assert layer_violations(tmp_path) == sorted([
         f"{PACKAGE}/passes/clip.py:3: from .. import runtime  (imports {PACKAGE}.runtime)",

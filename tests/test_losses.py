@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from longshield_fx.losses import CausalLMLoss
-from longshield_fx.models import Llama
+
+from oracles import hf_gpt2, hf_llama, tiny_llama
 
 
 def reference(logits, labels):
@@ -14,13 +15,13 @@ def reference(logits, labels):
     ])
 
 
-def tiny():
-    torch.manual_seed(0)
-    return Llama.from_name("tiny").eval()
+def tiny_lm():
+    """The bare tiny Llama (init seed 0), in eval mode."""
+    return tiny_llama().lm.eval()
 
 
 def test_matches_per_sample_loop():
-    lm = tiny()
+    lm = tiny_lm()
     ids = torch.randint(0, 256, (3, 16))
     loss = CausalLMLoss(lm)(ids, ids)
     assert loss.shape == (3,) and loss.dtype == torch.float32
@@ -28,7 +29,7 @@ def test_matches_per_sample_loop():
 
 
 def test_ignores_minus_100():
-    lm = tiny()
+    lm = tiny_lm()
     ids = torch.randint(0, 256, (3, 16))
     labels = ids.clone()
     labels[0, 8:] = -100
@@ -41,7 +42,7 @@ def test_ignores_minus_100():
 
 
 def test_sample_loss_depends_on_own_sample_only():
-    loss_fn = CausalLMLoss(tiny())
+    loss_fn = CausalLMLoss(tiny_lm())
     ids = torch.randint(0, 256, (3, 16))
     other = ids.clone()
     other[1] = torch.randint(0, 256, (16,))
@@ -51,7 +52,7 @@ def test_sample_loss_depends_on_own_sample_only():
 
 
 def test_parameter_names_and_position_ids():
-    loss_fn = CausalLMLoss(tiny())
+    loss_fn = CausalLMLoss(tiny_lm())
     assert all(name.startswith("lm.") for name, _ in loss_fn.named_parameters())
     ids = torch.randint(0, 256, (2, 10))
     torch.testing.assert_close(loss_fn(ids, ids, position_ids=torch.arange(10)[None]), loss_fn(ids, ids))
@@ -61,39 +62,19 @@ def test_parameter_names_and_position_ids():
 
 
 def test_bf16_model_loss_in_fp32():
-    lm = tiny().to(torch.bfloat16)
+    lm = tiny_lm().to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 8))
     loss = CausalLMLoss(lm)(ids, ids)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, reference(lm(ids), ids))
 
 
-def hf_llama():
-    import transformers
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def hf_gpt2():
-    import transformers
-    cfg = transformers.GPT2Config(
-        vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=None, attn_implementation="sdpa",
-    )
-    return transformers.GPT2LMHeadModel(cfg)
-
-
 @pytest.mark.parametrize("make", [hf_llama, hf_gpt2])
 def test_hugging_face_models(make):
-    torch.manual_seed(0)
-    lm = make().eval()
+    lm = make().lm.eval()  # the tiny HF models of the other tests (vocab 128), unwrapped
     loss_fn = CausalLMLoss(lm)
     assert loss_fn.is_hf
-    ids = torch.randint(0, 256, (2, 12))
+    ids = torch.randint(0, 128, (2, 12))
     labels = ids.clone()
     labels[1, :5] = -100
     with torch.no_grad():

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._torch import resolve_process_group
+
 __all__ = [
     "zigzag_index",
     "shard_sequence",
@@ -220,7 +222,7 @@ def _reduce_heads(x: Tensor, groups: int) -> Tensor:
 
 
 def _resolve_group(group_name: str, cp: int) -> tuple[dist.ProcessGroup, int]:
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+    group = resolve_process_group(group_name)
     size = dist.get_world_size(group)
     if size != cp:
         raise ValueError(f"process group {group_name!r} has {size} ranks, but cp={cp}")

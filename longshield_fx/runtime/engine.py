@@ -36,9 +36,15 @@ class Engine:
         self.config = config
         self.parallel = Parallel.from_mesh(model, mesh)
         # The ordered passes of each graph: "train" (clipped sums) and "per_sample" (the
-        # per-sample gradients behind ``per_sample_grads``).
-        self.pipelines = {graph: pipeline(training=graph == "train", cp=self.parallel.cp, checkpointing=checkpoint,
-                                          disable=disable_passes) for graph in ("train", "per_sample")}
+        # per-sample gradients behind ``per_sample_grads``). "train" has every pass of
+        # "per_sample"; a disabled pass is left out of each graph that has it (overlap is
+        # only in "train"), and a name that is in neither is an error (raised here).
+        cp = self.parallel.cp
+        in_per_sample = {p.__name__ for p in pipeline(training=False, cp=cp, checkpointing=checkpoint)}
+        self.pipelines = {
+            "train": pipeline(training=True, cp=cp, checkpointing=checkpoint, disable=disable_passes),
+            "per_sample": pipeline(training=False, cp=cp, checkpointing=checkpoint,
+                                   disable=set(disable_passes) & in_per_sample)}
         self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
         self.nonfinite_samples = 0  # real samples whose gradient was inf/nan (contributed 0)
         self._lowered: dict[str, Lowered] = {}

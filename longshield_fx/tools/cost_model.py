@@ -1,8 +1,9 @@
 """A two-lane cost model of a scheduled graph: compute on one lane, collectives on another.
 
-Per node, compute time is ``max(FLOPs / flops, bytes / mem_bw)`` (FLOPs for matmuls,
-einsums and attention from their shapes; bytes read and written from fake-tensor
-metadata). A collective starts when issued and the communication lane is free and takes
+Per node, compute time is ``max(FLOPs / flops, bytes / mem_bw)``: FLOPs counted by
+``torch.utils.flop_counter`` (its matmul and attention formulas; einsum runs as bmm; the CPU
+flash kernel and ring attention, which it has no formula for, get its own sdpa formula here,
+halved for causal masking), bytes read and written from fake-tensor metadata. A collective starts when issued and the communication lane is free and takes
 ``latency + volume / link_bw`` (ring algorithms: reduce-scatter and all-gather move
 (n-1)/n of the buffer per rank, all-reduce twice that). A ``wait_tensor`` stalls compute
 until its collective is done: those stalls are the EXPOSED communication.
@@ -22,18 +23,18 @@ Hardware parameters (per rank):
 """
 from __future__ import annotations
 
-import math
+import importlib
 import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from .passes._graph import nbytes, val
-from .passes.overlap import COLLECTIVES
+from .._torch import COLLECTIVES, c10d
 
+importlib.import_module("longshield_fx.ops")  # registers longshield::ring_attention, counted below
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
@@ -61,31 +62,88 @@ class Timeline:
     collectives: list = field(default_factory=list)  # (start, duration, node name)
 
 
-def flops(node: fx.Node) -> float:
-    t = node.target
-    if t in (aten.mm.default, aten.addmm.default, aten.bmm.default):
-        a, b = (node.args[1], node.args[2]) if t == aten.addmm.default else node.args[:2]
-        return 2.0 * val(a).numel() * val(b).shape[-1]
-    if t == aten.einsum.default:
-        sizes = {}
-        for labels, x in zip(node.args[0].split("->")[0].split(","), node.args[1]):
-            for label, size in zip(labels, val(x).shape):
-                sizes[label] = size
-        return 2.0 * math.prod(sizes.values())
-    name = getattr(t, "__name__", "")
-    if "attention" in name and node.args:
-        q, k = val(node.args[0 if "backward" not in name else 1]), val(node.args[1 if "backward" not in name else 2])
-        kv_len = k.shape[-2] * (node.args[-1] if "ring" in name else 1)  # ring: all cp blocks
-        f = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * kv_len * q.shape[3] / 2  # causal: half
-        return f * (2.5 if "backward" in name else 1.0)
-    return 0.0
+# --- FLOPs: torch.utils.flop_counter's formulas, plus the attention kernels it lacks -----------
+
+def _causal(flops: int, is_causal: bool) -> int:
+    return flops // 2 if is_causal else flops  # a causal kernel skips the masked half
 
 
-def compute_time(node: fx.Node, hw: Hardware) -> float:
+def _cpu_flash(q, k, v, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+    return _causal(sdpa_flop_count(q, k, v), is_causal)
+
+
+def _cpu_flash_backward(grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *args, out_shape=None,
+                        **kwargs) -> int:
+    return _causal(sdpa_backward_flop_count(grad_out, q, k, v), is_causal)
+
+
+def _ring_kv(shape, cp: int) -> tuple:
+    B, H, L, D = shape
+    return B, H, L * cp, D  # the local queries meet the K/V blocks of all cp ranks
+
+
+def _ring(q, k, v, scale, group_name, cp, *, out_shape=None) -> int:
+    return _causal(sdpa_flop_count(q, _ring_kv(k, cp), _ring_kv(v, cp)), True)
+
+
+def _ring_backward(grad_out, q, k, v, out, lse, scale, group_name, cp, *, out_shape=None) -> int:
+    return _causal(sdpa_backward_flop_count(grad_out, q, _ring_kv(k, cp), _ring_kv(v, cp)), True)
+
+
+# torch's registry has mm/addmm/bmm/baddbmm and the CUDA attention kernels (einsum decomposes
+# into bmm while it runs); it has no formula for the CPU flash kernel or our ring attention.
+EXTRA_FORMULAS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+    torch.ops.longshield.ring_attention: _ring,
+    torch.ops.longshield.ring_attention_backward: _ring_backward,
+}
+
+
+def _fake_mode(gm: fx.GraphModule):
+    for node in gm.graph.find_nodes(op="placeholder"):
+        mode = getattr(node.meta.get("val"), "fake_mode", None)
+        if mode is not None:
+            return mode
+    raise ValueError("cost model: the graph's placeholders carry no fake tensors (meta['val'])")
+
+
+def node_flops(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """FLOPs of every node, counted by ``torch.utils.flop_counter.FlopCounterMode`` while the
+    node's op runs again on its inputs' fake values (nothing real is computed or allocated).
+    Collectives and tuple unpacking count 0."""
+    env = {}
+    counts: dict[fx.Node, int] = {}
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FORMULAS)
+    with _fake_mode(gm), counter:
+        for node in gm.graph.nodes:
+            env[node] = node.meta.get("val")
+            if node.op != "call_function" or node.target is operator.getitem or node.target in COLLECTIVES \
+                    or node.target == c10d.wait_tensor.default:
+                continue
+            before = counter.get_total_flops()
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+            try:
+                out = node.target(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - name the node, keep the cause
+                raise RuntimeError(f"cost model: cannot re-run {node.format_node()} on fake tensors: {e}") from e
+            counts[node] = counter.get_total_flops() - before
+            if env[node] is None:
+                env[node] = out
+    return counts
+
+
+def nbytes(node) -> int:
+    """Bytes of the tensor a node produces (0 for non-tensors), from its fake value."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def compute_time(node: fx.Node, hw: Hardware, flops: int) -> float:
     if node.op != "call_function" or node.target is operator.getitem:
         return 0.0
     moved = nbytes(node) + sum(nbytes(a) for a in node.all_input_nodes)
-    return max(flops(node) / hw.flops, moved / hw.mem_bw)
+    return max(flops / hw.flops, moved / hw.mem_bw)
 
 
 def comm_time(node: fx.Node, hw: Hardware) -> float:
@@ -101,6 +159,7 @@ def comm_time(node: fx.Node, hw: Hardware) -> float:
 
 
 def simulate(gm: fx.GraphModule, hw: Hardware) -> Timeline:
+    flops = node_flops(gm)
     tl = Timeline()
     now = comm_free = 0.0
     done: dict[fx.Node, float] = {}
@@ -117,7 +176,7 @@ def simulate(gm: fx.GraphModule, hw: Hardware) -> Timeline:
                 tl.exposed_comm += ready - now
                 now = ready
         else:
-            dur = compute_time(node, hw)
+            dur = compute_time(node, hw, flops.get(node, 0))
             if dur:
                 tl.compute.append((now, dur, node.name))
                 now += dur

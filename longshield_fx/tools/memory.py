@@ -1,10 +1,28 @@
 """Liveness-based memory estimate of a scheduled graph, from fake-tensor metadata.
 
-Walks the graph in execution order. Each node that allocates (everything but views and
-tuple unpacking) adds its output's bytes; a storage is freed after the last use of any
-node that aliases it (fx frees a value after its last use, so this is what running the
-graph does). Graph inputs (parameters, batch) are the caller's and are reported apart.
-No real memory is touched: it works on graphs captured at 8B shapes.
+Walks the graph in execution order. Each node that allocates adds its output's bytes; a
+storage is freed after the last use of any node that aliases it (fx frees a value after its
+last use, so this is what running the graph does). Graph inputs (parameters, batch) are the
+caller's and are reported apart. No real memory is touched: it works on graphs captured at
+8B shapes. ``tests/tools/test_memory.py`` checks the estimate against the peak measured in a
+fresh process.
+
+Which nodes allocate is not a hand-kept list of view ops. A node ALIASES an input (and
+allocates nothing) when:
+
+- its op is a view by torch's own schema (``OpOverload.is_view``: the ``Tensor(a) self ->
+  Tensor(a)`` alias annotation), or
+- its fake output shares a storage with an input's fake value (``untyped_storage()``
+  identity; this is how the aot-autograd trace records ``aten._unsafe_view``, a view that the
+  schema does not annotate), or
+- it is ``wait_tensor``, which returns the collective's output buffer itself, or
+- it is ``getitem`` of a tuple whose element aliases the tuple op's input (``split``).
+
+Storage identity alone does not serve: passes replace a node's inputs and keep the fake
+values downstream (``context_parallel`` swaps attention for ring attention under an unchanged
+``transpose``), and the checkpoint pass's recomputed copies share their originals' values; the
+schema is what the op does whatever the metadata. (torch's inductor memory estimator tracks
+aliasing by storage too; it is private API, skips CPU tensors and relies on that identity.)
 """
 from __future__ import annotations
 
@@ -14,12 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-aten = torch.ops.aten
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.permute.default,
-          aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-          aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default, aten.as_strided.default,
-          aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
-          aten.movedim.int, aten.diagonal.default, aten.narrow.default}
+from .._torch import c10d
 
 
 @dataclass
@@ -44,22 +57,52 @@ def _nbytes(value) -> int:
     return 0
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage ``node``'s output aliases, or None if it allocates."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target is operator.getitem:
+        return node.args[0] if _aliased_input(node.args[0]) is not None else None
+    ins = node.all_input_nodes
+    if not ins:
+        return None
+    if getattr(target, "is_view", False) or target == c10d.wait_tensor.default:
+        return node.args[0] if isinstance(node.args[0], fx.Node) else ins[0]
+    out = node.meta.get("val")
+    if isinstance(out, torch.Tensor):
+        storage = out.untyped_storage()
+        for a in ins:
+            if any(t.untyped_storage() is storage for t in _tensors(a.meta.get("val"))):
+                return a
+    return None
+
+
+def owners(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """node -> the node whose allocation its output lives in (itself when it allocates)."""
+    owner: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        src = _aliased_input(n)
+        owner[n] = n if src is None else owner[src]
+    return owner
+
+
 def estimate_memory(gm: fx.GraphModule) -> MemoryEstimate:
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    owner: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        if n.op == "call_function" and n.target in _VIEWS:
-            owner[n] = owner[n.args[0]]
-        elif n.op == "call_function" and n.target is operator.getitem and n.args[0] in owner \
-                and owner[n.args[0]] is not n.args[0]:
-            owner[n] = owner[n.args[0]]  # an element of a tuple of views
-        else:
-            owner[n] = n
+    owner = owners(gm)
     last_use: dict[fx.Node, int] = {}
     for n in nodes:
+        o = owner[n]
         for user in n.users:
-            o = owner[n]
             last_use[o] = max(last_use.get(o, index[o]), index[user])
     end = len(nodes)
     outputs: list[fx.Node] = []
@@ -74,8 +117,8 @@ def estimate_memory(gm: fx.GraphModule) -> MemoryEstimate:
     total = peak = 0
     peak_node, peak_live, timeline = "", [], []
     for i, n in enumerate(nodes):
-        if n.op == "call_function" and owner[n] is n and not isinstance(n.meta.get("val"), (tuple, list)):
-            size = _nbytes(n.meta.get("val"))
+        if n.op == "call_function" and owner[n] is n and isinstance(n.meta.get("val"), torch.Tensor):
+            size = _nbytes(n.meta["val"])
             if size:
                 live[n] = size
                 total += size

@@ -1,15 +1,18 @@
-"""Pictures the command-line interface writes: the loss-vs-ε plot and a block's graph as SVG.
+"""Pictures the command-line interface writes: the loss-vs-ε plot and a block's graph.
 
 ``loss_vs_epsilon`` needs matplotlib (a dependency; the Agg backend, no display).
-``graph_svg`` draws an FX graph with graphviz's ``dot`` program when it is installed, and
-otherwise with a small built-in layered layout, so it works on a fresh machine with nothing
-extra installed. (torch.fx's ``FxGraphDrawer`` is not used: it needs pydot, and its record
-labels break on einsum equations such as "btp,btd->bpd", which every per-sample graph has.)
+``write_graph`` writes an FX graph as graphviz DOT text (no dependency) and lays it out as
+SVG with graphviz's ``dot`` program when that is installed; without it the .dot file is
+what you get, with the command that renders it. (torch.fx's ``FxGraphDrawer`` is not used:
+it needs pydot, and its record labels break on einsum equations such as "btp,btd->bpd",
+which every per-sample graph has.)
 """
 from __future__ import annotations
 
-import html
 import math
+import shutil
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch import fx
@@ -81,56 +84,10 @@ def _shape(node: fx.Node) -> str:
     return f"{dtype}[{', '.join(str(s) for s in shape)}]"
 
 
-def builtin_svg(graph: fx.Graph, title: str = "") -> str:
-    """A layered drawing: each node one row below its deepest input, edges as straight arrows.
-
-    Colours: forward nodes blue, backward red, nodes a pass inserted green, inputs and
-    outputs grey. Not pretty for large graphs, but dependency-free and always readable.
-    """
-    nodes = list(graph.nodes)
-    depth: dict[fx.Node, int] = {}
-    for n in nodes:
-        depth[n] = 1 + max((depth[a] for a in n.all_input_nodes if a in depth), default=-1)
-    rows: dict[int, list[fx.Node]] = {}
-    for n in nodes:
-        rows.setdefault(depth[n], []).append(n)
-    char_w, box_h, row_gap, col_gap, margin = 6.6, 34, 30, 14, 20
-    pos: dict[fx.Node, tuple[float, float, float]] = {}  # x, y, width
-    width = 0.0
-    for d in sorted(rows):
-        x = margin
-        y = margin + 30 + d * (box_h + row_gap)
-        for n in rows[d]:
-            w = char_w * max(len(_label(n)), len(_shape(n))) + 16
-            pos[n] = (x, y, w)
-            x += w + col_gap
-        width = max(width, x)
-    height = margin * 2 + 30 + (max(rows) + 1 if rows else 0) * (box_h + row_gap)
-    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + margin:.0f}" height="{height:.0f}" '
-           f'font-family="monospace" font-size="11">'),
-           ('<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" markerHeight="6" '
-           'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#555"/></marker></defs>'),
-           f'<text x="{margin}" y="{margin + 8}" font-size="14">{html.escape(title)}</text>']
-    for n in nodes:
-        x1, y1, w1 = pos[n]
-        for a in n.all_input_nodes:
-            if a in pos:
-                x0, y0, w0 = pos[a]
-                out.append(f'<line x1="{x0 + w0 / 2:.1f}" y1="{y0 + box_h:.1f}" x2="{x1 + w1 / 2:.1f}" '
-                           f'y2="{y1:.1f}" stroke="#555" stroke-width="0.8" marker-end="url(#arrow)"/>')
-    for n in nodes:
-        x, y, w = pos[n]
-        out.append(f'<g><title>{html.escape(str(n.format_node()))}</title>'
-                   f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{box_h}" rx="4" '
-                   f'fill="{_FILL[_kind(n)]}" stroke="#333"/>'
-                   f'<text x="{x + 8:.1f}" y="{y + 14:.1f}">{html.escape(_label(n))}</text>'
-                   f'<text x="{x + 8:.1f}" y="{y + 27:.1f}" fill="#555">{html.escape(_shape(n))}</text></g>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
 def to_dot(graph: fx.Graph, title: str = "") -> str:
-    """The graph in graphviz DOT, with the same labels and colours as ``builtin_svg``."""
+    """The graph in graphviz DOT. Colours: forward nodes blue, backward red, nodes a pass
+    inserted green, inputs and outputs grey; each box shows the op and the output's
+    dtype[shape], and its tooltip the whole node."""
     def esc(text: str) -> str:
         return text.replace("\\", "\\\\").replace('"', '\\"')
 
@@ -149,38 +106,34 @@ def to_dot(graph: fx.Graph, title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-def graphviz_svg(graph: fx.Graph, title: str = "") -> str:
-    """SVG laid out by graphviz's ``dot`` program; raises if ``dot`` is not installed or fails."""
-    import shutil
-    import subprocess
+@dataclass
+class GraphFiles:
+    dot: Path                 # always written
+    svg: Path | None = None   # written when graphviz's dot program is on PATH
+    note: str = ""            # how the SVG was made, or how to make it
 
+    def describe(self) -> str:
+        return f"{self.svg} ({self.note})" if self.svg else f"{self.dot} ({self.note})"
+
+
+def render_command(dot: Path) -> str:
+    return f"dot -Tsvg {dot} -o {dot.with_suffix('.svg')}"
+
+
+def write_graph(gm: fx.GraphModule, path: str | Path, title: str = "") -> GraphFiles:
+    """Write ``gm``'s graph to ``path`` + ".dot", and to ``path`` + ".svg" when graphviz's
+    ``dot`` is installed. Raises if ``dot`` is installed but fails (a DOT text it rejects is a
+    bug here)."""
+    path = Path(path)
+    dot_path = path.with_name(path.name + ".dot")
+    dot_path.write_text(to_dot(gm.graph, title))
     dot = shutil.which("dot")
     if dot is None:
-        raise RuntimeError("graphviz's dot program is not on PATH")
-    res = subprocess.run([dot, "-Tsvg"], input=to_dot(graph, title), capture_output=True, text=True, timeout=300,
-                         check=False)
-    if res.returncode != 0 or "<svg" not in res.stdout:
-        raise RuntimeError(f"dot failed: {' '.join(res.stderr.split())[:300]}")
-    return res.stdout
-
-
-def graph_svg(gm: fx.GraphModule, path: str | Path, title: str = "", backend: str = "auto") -> str:
-    """Write ``gm``'s graph as SVG to ``path``; returns the backend used ("graphviz" or "builtin").
-
-    ``backend``: "graphviz" (fail if ``dot`` is missing), "builtin", or "auto" (graphviz
-    when available, else builtin).
-    """
-    if backend not in ("auto", "graphviz", "builtin"):
-        raise ValueError(f"svg backend must be auto, graphviz or builtin, got {backend!r}")
-    text, used = None, "builtin"
-    if backend in ("auto", "graphviz"):
-        try:
-            text, used = graphviz_svg(gm.graph, title), "graphviz"
-        except Exception as e:
-            if backend == "graphviz":
-                raise RuntimeError(f"cannot draw with graphviz ({e}); install graphviz (apt-get install graphviz), "
-                                   "or use --svg-backend builtin") from e
-    if text is None:
-        text = builtin_svg(gm.graph, title)
-    Path(path).write_text(text)
-    return used
+        return GraphFiles(dot_path, None, "graphviz's dot is not installed (apt-get install graphviz); "
+                                          f"render it with: {render_command(dot_path)}")
+    svg_path = dot_path.with_suffix(".svg")
+    res = subprocess.run([dot, "-Tsvg", str(dot_path), "-o", str(svg_path)], capture_output=True, text=True,
+                         timeout=300, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"graphviz's dot failed on {dot_path}: {' '.join(res.stderr.split())[:300]}")
+    return GraphFiles(dot_path, svg_path, f"laid out by graphviz; DOT source {dot_path}")

@@ -1,17 +1,20 @@
 import pytest
 import torch
-from torch._subclasses import FakeTensorMode
+import transformers
 
+from longshield_fx._torch import FakeTensorMode
 from longshield_fx.models import CONFIGS, Llama, LlamaConfig
 
+from oracles import tiny_llama
 
-def tiny(**overrides):
-    torch.manual_seed(0)
-    return Llama.from_name("tiny", **overrides).eval()
+
+def tiny_lm(**overrides):
+    """The bare tiny Llama (init seed 0), in eval mode."""
+    return tiny_llama(**overrides).lm.eval()
 
 
 def test_shapes_and_sane_initial_loss():
-    model = tiny()
+    model = tiny_lm()
     ids = torch.randint(0, 256, (3, 16))
     logits = model(ids)
     assert logits.shape == (3, 16, 256)
@@ -21,11 +24,11 @@ def test_shapes_and_sane_initial_loss():
 
 def test_no_buffers():
     # Buffers would be T-dependent state or break meta/fake construction; RoPE is computed in forward.
-    assert list(tiny().buffers()) == []
+    assert list(tiny_lm().buffers()) == []
 
 
 def test_causal():
-    model = tiny()
+    model = tiny_lm()
     ids = torch.randint(0, 256, (2, 12))
     changed = ids.clone()
     changed[:, 7] = (changed[:, 7] + 1) % 256
@@ -36,13 +39,13 @@ def test_causal():
 
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
 def test_gqa(n_kv_heads):
-    model = tiny(n_kv_heads=n_kv_heads)
+    model = tiny_lm(n_kv_heads=n_kv_heads)
     assert model.layers[0].attention.wk.weight.shape == (n_kv_heads * 16, 64)
     assert model(torch.randint(0, 256, (2, 8))).shape == (2, 8, 256)
 
 
 def test_default_position_ids_is_arange():
-    model = tiny()
+    model = tiny_lm()
     ids = torch.randint(0, 256, (2, 10))
     expected = model(ids)
     torch.testing.assert_close(model(ids, torch.arange(10)[None]), expected, rtol=0, atol=0)
@@ -53,7 +56,7 @@ def test_default_position_ids_is_arange():
 
 
 def test_tied_embeddings():
-    model = tiny(tie_embeddings=True)
+    model = tiny_lm(tie_embeddings=True)
     assert model.lm_head.weight is model.tok_embeddings.weight
     assert "lm_head.weight" not in dict(model.named_parameters())
 
@@ -111,7 +114,6 @@ def hf_to_ours(name):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_logits_match_hf_llama(tie):
-    import transformers
     cfg = CONFIGS["tiny"]
     hf_cfg = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,

@@ -1,58 +1,25 @@
-"""Context-parallel ring attention (longshield_fx/runtime/ring_attention.py).
+"""Context-parallel ring attention (longshield_fx/ops/ring_attention.py).
 
-Multi-rank cases run on CPU gloo, one ``torch.multiprocessing.spawn`` per test function
-(two spawns back to back in one process occasionally abort at teardown). The export case
-runs in a subprocess because it initialises a (fake) default process group.
+The multi-rank cases (cp=4 on 4 gloo ranks, cp=2 on two strided groups of them) run in the
+4-rank launch of tests/runtime/cp_worker.py (the ``distributed`` fixture) and are checked
+here; the oracle is full causal attention (``oracles.causal_attention``).
 """
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 
+from longshield_fx import _torch
 from longshield_fx.ops import ring_attention as ra
 
-REPO = Path(__file__).resolve().parents[2]
+from oracles import attention_inputs, causal_attention
+
 B, HQ, HKV, T, D = 2, 4, 2, 32, 8
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _inputs(seed: int, T: int = T):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, HQ, T, D, generator=g)
-    k = torch.randn(B, HKV, T, D, generator=g)
-    v = torch.randn(B, HKV, T, D, generator=g)
-    grad = torch.randn(B, HQ, T, D, generator=g)
-    return q, k, v, grad
-
-
-def _reference(q, k, v, grad):
-    """Full causal attention with K/V heads repeated: out, lse, (dq, dk, dv)."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    rep = HQ // HKV
-    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    out = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.detach(), kr.detach(), vr.detach(), 0.0, True
-    )
-    return out.detach(), lse, grads
+    return attention_inputs(seed, B, HQ, HKV, T, D)
 
 
 # ----------------------------------------------------------------------------------------
@@ -115,7 +82,7 @@ def test_block_plan_balanced_and_exact(cp):
 
 def test_cp1_equals_causal_attention():
     q, k, v, grad = _inputs(0)
-    ref_out, ref_lse, ref_grads = _reference(q, k, v, grad)
+    ref_out, ref_lse, ref_grads = causal_attention(q, k, v, grad)
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (B, HQ, T)
@@ -125,7 +92,8 @@ def test_cp1_equals_causal_attention():
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, **TOL)
     assert grads[1].shape == (B, HKV, T, D)
-    assert ra.last_block_counts == {"forward": 3, "forward_calls": 1, "backward": 3, "backward_calls": 1}
+    blocks = ra.blocks_per_rank(1)[0]  # cp=1: the causal diagonal block of each of the two chunks + one full
+    assert ra.last_block_counts == {"forward": blocks, "forward_calls": 1, "backward": blocks, "backward_calls": 1}
 
 
 def test_cp1_opcheck():
@@ -138,121 +106,55 @@ def test_cp1_opcheck():
 # Multi-process (gloo)
 
 
-def _check_ring(rank: int, world: int, cp: int) -> None:
-    # cp groups are strided ({0, 2}, {1, 3} for world 4, cp 2) so that global ranks and group
-    # ranks differ; each dp replica (group) gets its own data.
-    n_rep = world // cp
-    groups = [dist.new_group(list(range(d, world, n_rep))) for d in range(n_rep)]
-    dp = rank % n_rep
-    group = groups[dp]
-    cp_rank = dist.get_rank(group)
-    assert cp_rank == rank // n_rep
-
-    q, k, v, grad = _inputs(100 * cp + dp)
-    ref_out, ref_lse, ref_grads = _reference(q, k, v, grad)
-    local = [ra.shard_sequence(t, cp, cp_rank, dim=2) for t in (q, k, v, grad)]
-    ql, kl, vl = (t.clone().requires_grad_() for t in local[:3])
-    out, lse = torch.ops.longshield.ring_attention(ql, kl, vl, D**-0.5, group.group_name, cp)
-    dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), local[3])
-    assert out.shape == (B, HQ, T // cp, D) and lse.shape == (B, HQ, T // cp)
-    assert dk.shape == dv.shape == (B, HKV, T // cp, D)
-
-    def gathered(x):
-        parts = [torch.empty_like(x) for _ in range(cp)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return ra.unshard_sequence(parts, cp, dim=2)  # (B, H, L[, D]): sequence is dim 2
-
-    for name, got, want in [
-        ("out", out, ref_out), ("lse", lse, ref_lse),
-        ("dq", dq, ref_grads[0]), ("dk", dk, ref_grads[1]), ("dv", dv, ref_grads[2]),
-    ]:
-        torch.testing.assert_close(gathered(got), want, **TOL, msg=lambda m: f"cp={cp} {name}: {m}")
-
-    counts = [None] * cp
-    dist.all_gather_object(counts, dict(ra.last_block_counts), group=group)
-    expected = ra.blocks_per_rank(cp)[cp_rank]
-    assert all(c == counts[0] for c in counts), (cp, counts)
-    assert counts[0] == {
-        "forward": expected, "forward_calls": cp, "backward": expected, "backward_calls": cp
-    }, (cp, counts)
-
-
-def _ring_worker(rank: int, world: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _check_ring(rank, world, cp=4)
-        _check_ring(rank, world, cp=2)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_ring_matches_full_attention_cp4_and_cp2():
+@pytest.mark.torchrun(4)
+@pytest.mark.parametrize("cp", [4, 2])
+def test_ring_matches_full_attention(distributed, cp):
     """4 gloo ranks: cp=4 on the world group, then cp=2 on two strided groups (dp=2).
     Forward out/lse, backward dq/dk/dv (autograd through the op) vs full causal GQA
-    attention, and balanced block counts. One spawn for both (spawns are slow here)."""
-    mp.spawn(_ring_worker, args=(4, _free_port()), nprocs=4, join=True)
+    attention (assert_close at TOL, run on each rank), and balanced block counts."""
+    for rank, r in distributed.check(4, f"ring-cp{cp}").items():
+        assert r["shapes"] == r["expected_shapes"], rank
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert r[name] is None, f"rank {rank}: {r[name]}"
+        counts = r["counts"]  # every rank of this rank's group
+        assert all(c == counts[0] for c in counts), (cp, counts)
+        assert counts[0] == {"forward": r["expected_blocks"], "forward_calls": cp,
+                             "backward": r["expected_blocks"], "backward_calls": cp}, (cp, counts)
+        assert r["expected_blocks"] == ra.blocks_per_rank(cp)[0]  # balanced: the same on every rank
 
 
 # ----------------------------------------------------------------------------------------
 # Export: each op stays a single opaque node in the joint graph (fake process group, fake kernels)
 
-_EXPORT_SCRIPT = textwrap.dedent(
-    """
-    import contextlib, json
-    import torch, torch.distributed as dist
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-    import longshield_fx.ops.ring_attention as ra
+class _AttentionModule(torch.nn.Module):
+    def __init__(self, group_name: str):
+        super().__init__()
+        self.group_name = group_name
+        self.wq = torch.nn.Linear(8, 8, bias=False)
+        self.wk = torch.nn.Linear(8, 4, bias=False)
+        self.wv = torch.nn.Linear(8, 4, bias=False)
 
-    dist.init_process_group("fake", rank=0, world_size=2)
-    name = dist.group.WORLD.group_name
+    def forward(self, x):
+        B, L, _ = x.shape
+        q = self.wq(x).view(B, L, 2, 4).transpose(1, 2)
+        k = self.wk(x).view(B, L, 1, 4).transpose(1, 2)
+        v = self.wv(x).view(B, L, 1, 4).transpose(1, 2)
+        out, lse = torch.ops.longshield.ring_attention(q, k, v, 0.5, self.group_name, 2)
+        return out.sum((1, 2, 3))
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wq = torch.nn.Linear(8, 8, bias=False)
-            self.wk = torch.nn.Linear(8, 4, bias=False)
-            self.wv = torch.nn.Linear(8, 4, bias=False)
 
-        def forward(self, x):
-            B, L, _ = x.shape
-            q = self.wq(x).view(B, L, 2, 4).transpose(1, 2)
-            k = self.wk(x).view(B, L, 1, 4).transpose(1, 2)
-            v = self.wv(x).view(B, L, 1, 4).transpose(1, 2)
-            out, lse = torch.ops.longshield.ring_attention(q, k, v, 0.5, name, 2)
-            return (out.sum(),)
-
-    with contextlib.ExitStack() as stack:
-        gm = aot_export_joint_with_descriptors(stack, M(), (torch.randn(2, 16, 8),)).graph_module
+def test_export_keeps_single_nodes(fake_world):
+    """Each op stays one opaque node of the joint graph (fake process group, fake kernels only)."""
+    ra.last_block_counts.clear()
+    with fake_world(2) as mesh:
+        name = mesh.get_group().group_name
+        gm, _ = _torch.export_joint(_AttentionModule(name), (torch.randn(2, 16, 8),))
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count("longshield.ring_attention.default") == 1
+    assert targets.count("longshield.ring_attention_backward.default") == 1
+    assert not any("scaled_dot_product" in t for t in targets)
     bwd = next(n for n in gm.graph.nodes if n.target is torch.ops.longshield.ring_attention_backward.default)
-    print(json.dumps({
-        "fwd": targets.count("longshield.ring_attention.default"),
-        "bwd": targets.count("longshield.ring_attention_backward.default"),
-        "sdpa": sum("scaled_dot_product" in t for t in targets),
-        "bwd_args": [a for a in bwd.args if not isinstance(a, torch.fx.Node)],
-        "dk_shape": list(bwd.meta["val"][1].shape),
-        "real_calls": len(ra.last_block_counts),
-    }))
-    """
-)
-
-
-def test_export_keeps_single_nodes():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run(
-        [sys.executable, "-c", _EXPORT_SCRIPT], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-
-    info = json.loads(res.stdout.strip().splitlines()[-1])
-    assert info["fwd"] == 1 and info["bwd"] == 1, info
-    assert info["sdpa"] == 0, info
-    scale, group_name, cp = info["bwd_args"]
-    assert scale == 0.5 and isinstance(group_name, str) and cp == 2, info
-    assert info["dk_shape"] == [2, 1, 16, 4]
-    assert info["real_calls"] == 0  # only fake kernels ran
+    scale, group_name, cp = [a for a in bwd.args if not isinstance(a, torch.fx.Node)]
+    assert scale == 0.5 and group_name == name and cp == 2
+    assert list(bwd.meta["val"][1].shape) == [2, 1, 16, 4]  # dk: one KV head, not repeated
+    assert ra.last_block_counts == {}  # only fake kernels ran

@@ -12,11 +12,13 @@ from longshield_fx.models.llama import RMSNorm
 import opacus
 from opacus.grad_sample import register_grad_sampler
 
-from oracles import MLP, logical, mlp_batch, tiny_llama, token_batch, vmap_per_sample_grads
+from oracles import MLP, logical, mlp_batch, tiny_llama, vmap_per_sample_grads
 
 
-def clipped_sum(model, batch, C, clipping="flat", mask=None, **config):
-    engine = lf.compile(model, config=lf.DPConfig(C, 0.0, clipping=clipping, **config))
+def clipped_sum(model, batch, C, clipping="flat", mask=None, engine=None, **config):
+    """The clipped sum as ``.grad`` (noise 0, divisor 1). ``engine``: reuse one compiled for
+    ``model`` with the same C and clipping (the mask is a graph input: no recapture)."""
+    engine = engine or lf.compile(model, config=lf.DPConfig(C, 0.0, clipping=clipping, **config))
     engine.accumulate(*batch, mask=mask)
     size = batch[0].shape[0] if mask is None else int(mask.sum())
     engine.finalize(logical(size, 1.0))  # noise 0 and divide by 1: .grad is the clipped sum
@@ -44,8 +46,8 @@ def opacus_clipped_sum(model, batch, C):
 
 
 @pytest.mark.parametrize("make", ["mlp", "llama"])
-def test_flat_clipping_equals_opacus(make):
-    model, batch, C = (MLP(), mlp_batch(), 0.5) if make == "mlp" else (tiny_llama(), token_batch(), 1.0)
+def test_flat_clipping_equals_opacus(make, tiny, tokens):
+    model, batch, C = (MLP(), mlp_batch(), 0.5) if make == "mlp" else (tiny, tokens, 1.0)
     ours, engine = clipped_sum(model, batch, C)
     assert engine.last_norms.gt(C).any(), "the test must clip something"
     theirs = opacus_clipped_sum(model, batch, C)
@@ -53,14 +55,14 @@ def test_flat_clipping_equals_opacus(make):
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def per_sample_contributions(model, batch, C, clipping):
+def per_sample_contributions(model, batch, C, clipping, engine):
     """Each sample's contribution, by running the engine on that sample alone (others masked)."""
     B = batch[0].shape[0]
     out = []
     for i in range(B):
         mask = torch.zeros(B)
         mask[i] = 1
-        grads, _ = clipped_sum(model, batch, C, clipping, mask)
+        grads, _ = clipped_sum(model, batch, C, clipping, mask, engine)
         out.append(grads)
     return out
 
@@ -76,8 +78,9 @@ def test_each_contribution_is_bounded(B, T, hidden, C, seed, clipping):
     torch.manual_seed(seed)
     model = MLP(hidden=hidden)
     batch = mlp_batch(B=B, T=T, seed=seed)
-    contributions = per_sample_contributions(model, batch, C, clipping)
-    total, _ = clipped_sum(model, batch, C, clipping)
+    engine = lf.compile(model, config=lf.DPConfig(C, 0.0, clipping=clipping))  # one capture for every mask
+    contributions = per_sample_contributions(model, batch, C, clipping, engine)
+    total, _ = clipped_sum(model, batch, C, clipping, engine=engine)
     for name in total:  # contributions add up to the clipped sum
         torch.testing.assert_close(sum(c[name] for c in contributions), total[name], atol=1e-5, rtol=1e-4)
     for c in contributions:
@@ -88,14 +91,17 @@ def test_each_contribution_is_bounded(B, T, hidden, C, seed, clipping):
     # Removing one sample (masking it out) changes the pre-noise sum by at most C.
     mask = torch.ones(B)
     mask[0] = 0
-    without, _ = clipped_sum(model, batch, C, clipping, mask)
+    without, _ = clipped_sum(model, batch, C, clipping, mask, engine)
+    assert engine.captures == 1
     assert flat_norm({n: total[n] - without[n] for n in total}) <= C * (1 + 1e-5)
 
 
-def test_unclipped_when_threshold_is_large():
-    model, batch = tiny_llama(), token_batch()
+def test_unclipped_when_threshold_is_large(tiny_per_sample):
+    model, batch = tiny_llama(), tiny_per_sample.batch  # the same seed as the shared oracle's model
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), tiny_per_sample.model.parameters()))
     ours, _ = clipped_sum(model, batch, 1e6)
-    ref = vmap_per_sample_grads(model, batch)
+    ref = tiny_per_sample.ref
+    assert set(ours) == set(ref)
     for name in ours:
         torch.testing.assert_close(ours[name], ref[name].sum(0), atol=1e-5, rtol=1e-4)
 

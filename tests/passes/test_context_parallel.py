@@ -3,7 +3,8 @@
 CUDA kernels cannot run here, so their graphs are made by swapping the CPU flash attention
 nodes of a captured graph for the nodes of the kernels SDPA picks on CUDA (memory-efficient for
 fp32, flash for fp16/bf16), with shapes from fake tensors. The ring rewrite must produce the same
-collectives as from the CPU graph (pinned in test_shard_grads.py).
+collectives as from the CPU graph (pinned in test_shard_grads.py; both read the shared
+``cp_graph(2)``).
 """
 import operator
 
@@ -11,12 +12,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from oracles import tiny_llama
-from test_shard_grads import build, collectives, fake_world
-
 import longshield_fx as lf
 import longshield_fx.runtime.engine as engine_module
+from longshield_fx.passes._context import PER_SAMPLE_GRAD
 from longshield_fx.passes._graph import GraphBuilder
+
+from oracles import tiny_llama
 
 aten = torch.ops.aten
 CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -91,16 +92,15 @@ def capture_with_cuda_attention(monkeypatch, kernel) -> list:
 
 
 @pytest.mark.parametrize("kernel", list(CUDA_KERNELS))
-def test_cuda_attention_becomes_the_same_ring_as_cpu_flash(monkeypatch, kernel):
-    with fake_world(2):
-        cpu = collectives(build(2).graph_module)
+def test_cuda_attention_becomes_the_same_ring_as_cpu_flash(monkeypatch, cp_graph, describe_collectives, kernel):
+    cpu = describe_collectives(cp_graph(2).gm)
     swapped = capture_with_cuda_attention(monkeypatch, kernel)
-    with fake_world(2):
-        gm = build(2).graph_module
-    assert swapped == [(2, 2)]  # both layers' attention and its backward, before the passes ran
-    assert not any("attention" in str(n.target) and "ring" not in str(n.target) for n in gm.graph.nodes)
+    shared = cp_graph(2, fresh=True)  # captured through the swap: not the shared graph
+    n_layers = len(shared.engine.model.lm.layers)
+    assert swapped == [(n_layers, n_layers)]  # each layer's attention and its backward, before the passes ran
+    assert not any("attention" in str(n.target) and "ring" not in str(n.target) for n in shared.gm.graph.nodes)
     assert "ring_attention" in cpu
-    assert collectives(gm) == cpu
+    assert describe_collectives(shared.gm) == cpu
 
 
 @pytest.mark.parametrize("kernel", list(CUDA_KERNELS))
@@ -109,14 +109,16 @@ def test_cuda_attention_keeps_samples_apart_in_one_process(monkeypatch, kernel):
     capture_with_cuda_attention(monkeypatch, kernel)
     engine = lf.compile(tiny_llama(), config=lf.DPConfig(1.0, 1.0))
     ids = torch.zeros(2, 16, dtype=torch.long)
-    gm = engine._training_graph((ids, ids))[1]
-    attention = list(gm.graph.find_nodes(op="call_function", target=fwd_op))
-    assert len(attention) == 2
+    lowered = engine.lower(ids, ids)
+    attention = list(lowered.gm.graph.find_nodes(op="call_function", target=fwd_op))
+    assert len(attention) == len(engine.model.lm.layers)
     for node in attention:
         tags = {u.args[1]: u.meta["batch_dim"] for u in node.users}
         assert tags[0] == tags[1] == node.args[0].meta["batch_dim"] is not None  # out, lse
         assert all(tag is None for i, tag in tags.items() if i > 1)  # RNG state, sizes
-    assert len(engine._train[2].per_sample) == len(dict(engine.model.named_parameters()))
+    params = [n for n, _ in engine.model.named_parameters()]
+    assert all(PER_SAMPLE_GRAD in lowered.ctx.param_meta(n) for n in params)
+    assert set(lowered.rules) == set(params) and "?" not in lowered.rules.values()
 
 
 class HandWrittenAttentionLM(nn.Module):
@@ -136,14 +138,11 @@ class HandWrittenAttentionLM(nn.Module):
         return self.head(F.softmax(scores, dim=-1) @ v)
 
 
-def test_hand_written_attention_is_refused_under_context_parallelism():
-    from torch.distributed.device_mesh import init_device_mesh
-
+def test_hand_written_attention_is_refused_under_context_parallelism(fake_world):
     ids = torch.zeros(2, 16, dtype=torch.long)
     one = lf.compile(lf.CausalLMLoss(HandWrittenAttentionLM()), config=lf.DPConfig(1.0, 1.0))
-    one._training_graph((ids, ids))  # fine in one process
-    with fake_world(2):
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    one.lower(ids, ids)  # fine in one process
+    with fake_world(2) as mesh:
         engine = lf.compile(lf.CausalLMLoss(HandWrittenAttentionLM()), mesh, config=lf.DPConfig(1.0, 1.0))
         with pytest.raises(lf.UnsupportedModelError, match=r"softmax over the \(sharded\) sequence.*sdpa"):
-            engine._training_graph((ids, ids))
+            engine.lower(ids, ids)

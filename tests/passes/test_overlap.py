@@ -2,44 +2,47 @@
 import pytest
 import torch
 
-from longshield_fx.passes.overlap import (COLLECTIVES, OverlapLimits, ScheduleError, schedule,
-                                          verify_schedule)
+import longshield_fx as lf
+from longshield_fx._torch import COLLECTIVES, c10d
+from longshield_fx.passes.overlap import OverlapLimits, ScheduleError, schedule, verify_schedule
 
-from test_shard_grads import build, fake_world
-
-c10d = torch.ops._c10d_functional
+from oracles import tiny_llama
 
 
 @pytest.fixture(scope="module")
-def engines():
-    with fake_world(2):
-        return build(2), build(2)
+def engines(cp_graph):
+    """Two captures of the same cp=2 step: the shared one and a fresh one (as two ranks would)."""
+    return cp_graph(2), cp_graph(2, fresh=True)
 
 
 def graph(engines):
-    return engines[0].graph_module
+    return engines[0].gm
 
 
 def test_each_reduce_scatter_is_waited_after_a_data_gradient_matmul(engines):
+    """Every reduce-scatter that has a matmul left to run after it is in flight across one;
+    only those issued after the last matmul (the embedding's) cannot be."""
     nodes = list(graph(engines).graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
+    mms = [index[n] for n in nodes if n.target == torch.ops.aten.mm.default]
     scatters = [n for n in nodes if n.target == c10d.reduce_scatter_tensor.default]
-    assert scatters
-    hidden = 0
+    hidden, hideable = [], []
     for rs in scatters:
         wait = next(u for u in rs.users if u.target == c10d.wait_tensor.default)
-        between = nodes[index[rs] + 1:index[wait]]
-        hidden += any(n.target == torch.ops.aten.mm.default for n in between)
-    # All but the reduce-scatters of the first layer's weights (nothing left to compute) hide.
-    assert hidden >= len(scatters) - 4
+        if any(index[rs] < i < index[wait] for i in mms):
+            hidden.append(rs.name)
+        if any(i > index[rs] for i in mms):
+            hideable.append(rs.name)
+    assert hideable, "no reduce-scatter before the last matmul: nothing to check"
+    assert hidden == hideable
 
 
 def test_collectives_keep_their_order_and_the_schedule_is_deterministic(engines):
     a, b = engines
-    order_a = [n.name for n in a.graph_module.graph.nodes if n.target in COLLECTIVES]
-    order_b = [n.name for n in b.graph_module.graph.nodes if n.target in COLLECTIVES]
+    order_a = [n.name for n in a.gm.graph.nodes if n.target in COLLECTIVES]
+    order_b = [n.name for n in b.gm.graph.nodes if n.target in COLLECTIVES]
     assert order_a == order_b
-    verify_schedule(list(a.graph_module.graph.nodes), other_ranks=[list(b.graph_module.graph.nodes)])
+    verify_schedule(list(a.gm.graph.nodes), other_ranks=[list(b.gm.graph.nodes)])
 
 
 def test_in_flight_cap_is_respected(engines):
@@ -70,3 +73,15 @@ def test_verifier_rejects_ranks_issuing_in_different_orders(engines):
     swapped[first], swapped[other] = swapped[other], swapped[first]
     with pytest.raises(ScheduleError, match="different order"):
         verify_schedule(order, other_ranks=[swapped])
+
+
+def test_a_pass_is_disabled_by_name(fake_world):
+    """``disable_passes`` leaves a pass out of every graph that has it; an unknown name is refused."""
+    with fake_world(2) as mesh:
+        engine = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 1.0), disable_passes=("overlap",))
+        with pytest.raises(ValueError, match=r"\['reorder'\] not in this pipeline"):
+            lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 1.0), disable_passes=("reorder",))
+    names = {graph: [p.__name__ for p in passes] for graph, passes in engine.pipelines.items()}
+    assert names == {"train": ["batch_dims", "context_parallel", "per_sample", "shard_grads", "clip"],
+                     "per_sample": ["batch_dims", "context_parallel", "per_sample"]}
+    assert "overlap" not in repr(engine)

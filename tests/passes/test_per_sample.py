@@ -6,56 +6,51 @@ from expecttest import assert_expected_inline
 
 import longshield_fx as lf
 from longshield_fx.capture import capture
-from longshield_fx.passes import PassContext, run_passes
-from longshield_fx.passes.batch_dims import batch_dims
-from longshield_fx.passes.per_sample import per_sample
+from longshield_fx.passes import PassContext, lower, pipeline
+from longshield_fx.passes._context import PER_SAMPLE_GRAD
 
-from oracles import (MLP, hf_gpt2, hf_llama, mlp_batch, tiny_llama, token_batch,
-                        vmap_per_sample_grads)
-
-
-def assert_matches_oracle(model, batch, atol=1e-5):
-    ours = lf.compile(model).per_sample_grads(*batch)
-    ref = vmap_per_sample_grads(model, batch)
-    assert set(ours) == set(ref)
-    B = batch[0].shape[0]
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            assert ours[name].shape == (B, *p.shape), name
-            torch.testing.assert_close(ours[name], ref[name], atol=atol, rtol=1e-4, msg=name)
-    return ours
+from oracles import (MLP, assert_matches_vmap, hf_gpt2, hf_llama, mlp_batch, tiny_llama, token_batch,
+                     vmap_per_sample_grads)
 
 
 def test_mlp_with_biases():
-    assert_matches_oracle(MLP(), mlp_batch())
+    assert_matches_vmap(MLP(), mlp_batch())
 
 
-def test_reference_llama_gqa():
-    model = tiny_llama()
+def test_reference_llama_gqa(tiny_per_sample):
+    model = tiny_per_sample.model
     assert model.lm.layers[0].attention.wk.weight.shape[0] < model.lm.layers[0].attention.wq.weight.shape[0]
-    assert_matches_oracle(model, token_batch())
+    assert_matches_vmap(model, tiny_per_sample.batch, tiny_per_sample.ours, tiny_per_sample.ref)
 
 
-def test_reference_llama_tied_embeddings():
-    assert_matches_oracle(tiny_llama(tie_embeddings=True), token_batch())
+@pytest.fixture(scope="module")
+def tied():
+    """The tiny Llama with tied embeddings on a (4, 16) batch and its per-sample gradients (one capture)."""
+    model, batch = tiny_llama(tie_embeddings=True), token_batch(B=4)
+    return model, batch, lf.compile(model).per_sample_grads(*batch)
+
+
+def test_reference_llama_tied_embeddings(tied):
+    model, batch, ours = tied
+    assert_matches_vmap(model, batch, ours)
 
 
 def test_hf_llama():
-    assert_matches_oracle(hf_llama(), token_batch(vocab=128))
+    assert_matches_vmap(hf_llama(), token_batch(vocab=128))
 
 
 def test_hf_gpt2_layernorm_bias_positions_tied():
     model = hf_gpt2()
     names = {n for n, _ in model.named_parameters()}
     assert "lm.transformer.wpe.weight" in names and "lm.lm_head.weight" not in names  # tied
-    assert_matches_oracle(model, token_batch(vocab=128))
+    assert_matches_vmap(model, token_batch(vocab=128))
 
 
-def test_frozen_parameters_get_no_per_sample_work():
-    model = tiny_llama()
+def test_frozen_parameters_get_no_per_sample_work(tiny, tokens):
+    model = tiny
     model.lm.tok_embeddings.requires_grad_(False)
     model.lm.layers[0].requires_grad_(False)
-    ours = assert_matches_oracle(model, token_batch())
+    ours = assert_matches_vmap(model, tokens)
     assert not any(n.startswith("lm.layers.0.") for n in ours)
     assert "lm.tok_embeddings.weight" not in ours
 
@@ -70,38 +65,34 @@ def test_padding_idx_embedding_rows_get_nothing():
             return self.emb(ids).pow(2).sum((1, 2))
 
     ids = torch.tensor([[0, 1, 2, 0], [3, 3, 0, 9]])
-    ours = assert_matches_oracle(Emb(), (ids,))
+    ours = assert_matches_vmap(Emb(), (ids,))
     assert ours["emb.weight"][:, 0].abs().sum() == 0
 
 
-def test_sum_over_batch_equals_original_gradient():
-    model = tiny_llama(tie_embeddings=True)
-    batch = token_batch(B=4)
-    ours = lf.compile(model).per_sample_grads(*batch)
-    model.zero_grad()
-    model(*batch).sum().backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(ours[name].sum(0), p.grad, atol=1e-5, rtol=1e-4, msg=name)
+def test_sum_over_batch_equals_original_gradient(tied):
+    model, batch, ours = tied
+    grads = torch.autograd.grad(model(*batch).sum(), list(model.parameters()))  # leaves .grad alone
+    for (name, _), g in zip(model.named_parameters(), grads):
+        torch.testing.assert_close(ours[name].sum(0), g, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_batch_of_one():
-    assert_matches_oracle(tiny_llama(), token_batch(B=1))
+    assert_matches_vmap(tiny_llama(), token_batch(B=1))
 
 
-def test_embedding_gradient_is_sparse_rows_in_the_graph():
+def test_embedding_gradient_is_sparse_rows_in_the_graph(tiny_per_sample):
     """No (B, V, H) tensor for the embedding: the per-sample form is token ids + rows."""
-    model = tiny_llama()
-    batch = token_batch()
-    captured = capture(model, batch)
-    ctx = PassContext(captured, 3)
-    run_passes(captured.gm, ctx, [batch_dims, per_sample])
-    emb = ctx.per_sample["lm.tok_embeddings.weight"]
+    lowered = tiny_per_sample.lowered
+    B, T = tiny_per_sample.batch[0].shape
+    dim = tiny_per_sample.model.lm.tok_embeddings.weight.shape[1]
+    assert lowered.passes == ["batch_dims", "per_sample"]
+    emb = lowered.ctx.param_meta("lm.tok_embeddings.weight")[PER_SAMPLE_GRAD]
     assert emb.dense is None and len(emb.rows) == 1
     ids, values = emb.rows[0]
-    assert tuple(ids.meta["val"].shape) == (3, 16) and tuple(values.meta["val"].shape) == (3, 16, 64)
-    assert ctx.rules_used["lm.tok_embeddings.weight"] == "embedding"
-    assert ctx.rules_used["lm.layers.0.attention.wq.weight"] == "linear"
-    assert ctx.rules_used["lm.layers.0.attention_norm.weight"] == "sum"
+    assert tuple(ids.meta["val"].shape) == (B, T) and tuple(values.meta["val"].shape) == (B, T, dim)
+    assert lowered.rules["lm.tok_embeddings.weight"] == "embedding"
+    assert lowered.rules["lm.layers.0.attention.wq.weight"] == "linear"
+    assert lowered.rules["lm.layers.0.attention_norm.weight"] == "sum"
 
 
 class OneLayer(nn.Module):
@@ -117,9 +108,9 @@ def test_golden_graph_one_layer_mlp():
     torch.manual_seed(0)
     model = OneLayer()
     batch = (torch.randn(4, 5, 3),)
-    captured = capture(model, batch)
-    ctx = PassContext(captured, 4)
-    gm = run_passes(captured.gm, ctx, [batch_dims, per_sample])
+    passes = pipeline(training=False)
+    assert [p.__name__ for p in passes] == ["batch_dims", "per_sample"]
+    gm = lower(PassContext(capture(model, batch), 4), passes).gm
     code = "\n".join(line.split("#")[0].rstrip() for line in gm.code.strip().splitlines() if line.strip())
     assert_expected_inline(code, """\
 def forward(self, primals_1, primals_2, primals_3, tangents_1):
@@ -165,8 +156,11 @@ def test_unknown_gradient_pattern_names_parameter_op_and_way_out():
 
 def test_registered_rule_is_used():
     """A user rule for a kernel-size-1 convolution (a linear map over channels)."""
-    from longshield_fx.passes import per_sample as ps_module
+    import importlib
+
     from longshield_fx.passes.per_sample import PerSampleGrad
+
+    ps_module = importlib.import_module("longshield_fx.passes.per_sample")  # the module, not the pass
 
     aten = torch.ops.aten
     key = (aten.convolution_backward.default, 1)

@@ -1,60 +1,22 @@
 """Structure of the context-parallel graph on a fake process group (one process, no data).
 
 Pins the collectives the ``context_parallel``, ``shard_grads`` and ``clip`` passes insert
-at world sizes 2, 4 and 8, and checks the bytes claims from fake-tensor metadata.
+at world sizes 2, 4 and 8 (golden, and derived from the model's parameters), and checks the
+bytes claims from fake-tensor metadata. Graphs come from the shared ``cp_graph`` fixture.
 """
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
 from expecttest import assert_expected_inline
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import longshield_fx as lf
+from longshield_fx._torch import COLLECTIVES
 from longshield_fx.passes.shard_grads import shard_dim
 
 from oracles import tiny_llama
 
 
-@contextlib.contextmanager
-def fake_world(size):
-    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def build(cp, dp=1, T=32, B=2, comm="input_stationary", **model_kw):
-    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")) if dp > 1 else \
-        init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-    engine = lf.compile(tiny_llama(**model_kw), mesh, config=lf.DPConfig(1.0, 1.0, per_sample_comm=comm))
-    ids = torch.zeros(B, T, dtype=torch.long)
-    engine._training_graph((ids, ids))
-    return engine
-
-
-def collectives(gm) -> str:
-    """One line per distinct collective: op, shapes in -> out, count."""
-    lines = {}
-    for node in gm.graph.nodes:
-        name = str(node.target)
-        if not name.startswith(("_c10d_functional.", "longshield.")) or "wait_tensor" in name:
-            continue
-        ins = [tuple(a.meta["val"].shape) for a in node.args if isinstance(a, torch.fx.Node)]
-        val = node.meta["val"]
-        outs = [tuple(v.shape) for v in (val if isinstance(val, (tuple, list)) else [val])]
-        key = f"{name.split('.')[1]} {ins} -> {outs}"
-        lines[key] = lines.get(key, 0) + 1
-    return "\n".join(f"{k} x{v}" for k, v in lines.items())
-
-
-def test_collectives_cp2():
-    with fake_world(2):
-        gm = build(2).graph_module
-    assert_expected_inline(collectives(gm), """\
+def test_collectives_cp2(cp_graph, describe_collectives):
+    assert_expected_inline(describe_collectives(cp_graph(2).gm), """\
 ring_attention [(2, 4, 16, 16), (2, 2, 16, 16), (2, 2, 16, 16)] -> [(2, 4, 16, 16), (2, 4, 16)] x2
 reduce_scatter_tensor [(256, 2, 64)] -> [(128, 2, 64)] x2
 all_reduce [(2, 64)] -> [(2, 64)] x5
@@ -65,10 +27,8 @@ reduce_scatter_tensor [(64, 2, 32)] -> [(32, 2, 32)] x4
 all_reduce [(2,)] -> [(2,)] x1""")
 
 
-def test_collectives_cp4():
-    with fake_world(4):
-        gm = build(4).graph_module
-    assert_expected_inline(collectives(gm), """\
+def test_collectives_cp4(cp_graph, describe_collectives):
+    assert_expected_inline(describe_collectives(cp_graph(4).gm), """\
 ring_attention [(2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)] -> [(2, 4, 8, 16), (2, 4, 8)] x2
 reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x2
 all_reduce [(2, 64)] -> [(2, 64)] x5
@@ -79,36 +39,51 @@ reduce_scatter_tensor [(64, 2, 32)] -> [(16, 2, 32)] x4
 all_reduce [(2,)] -> [(2,)] x1""")
 
 
-def test_collectives_dp2_cp4():
-    with fake_world(8):
-        gm = build(4, dp=2).graph_module
-    assert_expected_inline(collectives(gm), """\
-ring_attention [(2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)] -> [(2, 4, 8, 16), (2, 4, 8)] x2
-reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x2
-all_reduce [(2, 64)] -> [(2, 64)] x5
-reduce_scatter_tensor [(192, 2, 64)] -> [(48, 2, 64)] x6
-reduce_scatter_tensor [(64, 2, 64)] -> [(16, 2, 64)] x4
-ring_attention_backward [(2, 4, 8, 16), (2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16), (2, 4, 8, 16), (2, 4, 8)] -> [(2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)] x2
-reduce_scatter_tensor [(64, 2, 32)] -> [(16, 2, 32)] x4
-all_reduce [(2,)] -> [(2,)] x1""")
+def test_collectives_dp2_cp4_are_those_of_cp4(cp_graph, describe_collectives):
+    """dp only splits the batch between replicas: the graph's collectives are cp's."""
+    assert describe_collectives(cp_graph(4, dp=2).gm) == describe_collectives(cp_graph(4).gm)
 
 
-def test_reduce_scatter_bytes_do_not_grow_with_T_and_activations_halve_with_cp():
+@pytest.mark.parametrize("cp, dp", [(2, 1), (4, 1), (4, 2)])
+def test_one_collective_per_parameter_derived_from_the_model(cp_graph, cp, dp):
+    """The per-sample collectives, derived from the model's parameters and ``shard_dim``: a
+    reduce-scatter of (P_d, B, *rest) along the shard dim, or an all-reduce of (B, *shape);
+    one all-reduce of the B squared norms; one ring attention (and backward) per layer."""
+    shared = cp_graph(cp, dp=dp)
+    B = shared.batch[0].shape[0]
+    model = shared.engine.model
+    expected = []
+    for name, p in model.named_parameters():
+        dim = shard_dim(tuple(p.shape), cp)
+        assert shared.lowered.shard_dims[name] == dim, name
+        if dim is None:
+            expected.append(("all_reduce", (B, *p.shape)))
+        else:
+            rest = [s for d, s in enumerate(p.shape) if d != dim]
+            expected.append(("reduce_scatter_tensor", (p.shape[dim], B, *rest)))
+    expected.append(("all_reduce", (B,)))  # flat clipping: the squared norms
+    found = [(str(n.target).split(".")[1], tuple(n.args[0].meta["val"].shape))
+             for n in shared.gm.graph.nodes if n.target in COLLECTIVES]
+    assert sorted(found) == sorted(expected)
+    ring = [n for n in shared.gm.graph.nodes if str(n.target).startswith("longshield.ring_attention")]
+    n_layers = len(model.lm.layers)
+    assert sorted(str(n.target) for n in ring) == ["longshield.ring_attention.default"] * n_layers + \
+        ["longshield.ring_attention_backward.default"] * n_layers
+
+
+def test_reduce_scatter_bytes_do_not_grow_with_T_and_activations_halve_with_cp(cp_graph):
     def activation_bytes(gm):
         return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in gm.graph.nodes
                    if n.meta.get("partitioner_tag") == "is_forward" and n.op == "call_function"
                    and n.meta.get("batch_dim") is not None and isinstance(n.meta.get("val"), torch.Tensor)
                    and n.meta["val"].dim() >= 2)  # per-token tensors; the (B,) loss has no T
 
-    with fake_world(2):
-        short, long = build(2, T=256), build(2, T=2048)
-        cp2 = activation_bytes(long.graph_module)
-        assert short.communication_bytes()["reduce_scatter"] == long.communication_bytes()["reduce_scatter"] > 0
-        assert short.communication_bytes()["all_reduce"] == long.communication_bytes()["all_reduce"]
-        assert long.communication_bytes()["ring_attention"] == 8 * short.communication_bytes()["ring_attention"]
-    with fake_world(4):
-        cp4 = activation_bytes(build(4, T=2048).graph_module)
-    assert cp4 * 2 == cp2
+    short, long = cp_graph(2, T=512, B=1), cp_graph(2, T=2048, B=1)  # shared with the test below
+    short_bytes, long_bytes = short.engine.communication_bytes(), long.engine.communication_bytes()
+    assert short_bytes["reduce_scatter"] == long_bytes["reduce_scatter"] > 0
+    assert short_bytes["all_reduce"] == long_bytes["all_reduce"]
+    assert long_bytes["ring_attention"] == 4 * short_bytes["ring_attention"]  # K/V blocks: linear in T
+    assert activation_bytes(cp_graph(4, T=2048, B=1).gm) * 2 == activation_bytes(long.gm)
 
 
 def per_sample_bytes(engine):
@@ -116,10 +91,10 @@ def per_sample_bytes(engine):
     return b["reduce_scatter"] + b["all_reduce"] + b["all_gather"]
 
 
-def test_input_stationary_bytes_constant_output_stationary_linear_in_T():
-    with fake_world(2):
-        inp = [per_sample_bytes(build(2, T=T, B=1)) for T in (512, 2048, 8192)]
-        out = [per_sample_bytes(build(2, T=T, B=1, comm="output_stationary")) for T in (512, 2048, 8192)]
+def test_input_stationary_bytes_constant_output_stationary_linear_in_T(cp_graph):
+    Ts = (512, 2048, 8192)
+    inp = [per_sample_bytes(cp_graph(2, T=T, B=1).engine) for T in Ts]
+    out = [per_sample_bytes(cp_graph(2, T=T, B=1, comm="output_stationary").engine) for T in Ts]
     assert inp[0] == inp[1] == inp[2]
     # affine in T: equal steps for equal increments (2048-512 = 1536, 8192-2048 = 6144 = 4x)
     assert (out[2] - out[1]) == 4 * (out[1] - out[0]) > 0
@@ -134,13 +109,14 @@ def test_shard_dim_rule():
     assert shard_dim((6, 8), 4) == 1
 
 
-def test_bad_mesh_and_sequence_are_refused_before_any_collective():
-    with fake_world(2):
+def test_bad_mesh_and_sequence_are_refused_before_any_collective(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_world(2) as mesh:
         flat = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         with pytest.raises(ValueError, match="dimension named 'cp'"):
             lf.compile(tiny_llama(), flat, config=lf.DPConfig(1.0, 1.0))
-        engine = lf.compile(tiny_llama(), init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)),
-                            config=lf.DPConfig(1.0, 1.0))
+        engine = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 1.0))
         ids = torch.zeros(2, 30, dtype=torch.long)
         with pytest.raises(ValueError, match="multiple of 2\\*cp = 4"):
             engine.accumulate(ids, ids)

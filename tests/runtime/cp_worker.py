@@ -1,97 +1,126 @@
-"""Worker for multi-process tests, run under torchrun by tests/runtime/test_parallel.py.
+"""Worker for the multi-process tests: ONE torchrun launch per world size runs every
+distributed check of that size and writes what it measured; the tests compare (the
+``distributed`` fixture of tests/conftest.py launches it, once per session per size):
 
-Each rank compares the context-parallel engine against a single-process engine built from
-the same seed (the oracle), on the same batches; prints one JSON line on rank 0.
+    python -m torch.distributed.run --standalone --nproc-per-node=N cp_worker.py OUT_DIR
+
+- world 4: the ring attention op on gloo (cp=4 on the world group, then cp=2 on two
+  strided groups, i.e. dp=2), against full causal attention; then the engine cases of
+  ``oracles.CP_CASES`` with world size 4 (cp=4, dp=2 x cp=2).
+- world 2: the engine cases with world size 2 (cp=2: plain, block / selective
+  checkpointing, output-stationary); then a dead peer (rank 1 exits, rank 0 must get a
+  clear error, not a hang).
+
+Each rank writes OUT_DIR/rank{r}.pt after every check: {check name: results}. An engine
+case records, on the same batches the single-process oracle gets in the test process:
+full per-sample gradients, the clipped (noise-free) gradient after ``finalize``, the same
+without the overlap pass, a noisy gradient (fixed insecure seed, so the oracle can draw
+the same noise), the loss and the communication bytes.
 """
-import json
+import datetime
 import os
 import sys
+import time
+import traceback
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import longshield_fx as lf  # noqa: E402
-from oracles import hf_llama, logical, tiny_llama  # noqa: E402
+from longshield_fx.ops import ring_attention as ra  # noqa: E402
+from oracles import (CP_CASES, CP_CLIP, CP_NOISE_E, CP_NOISE_SEED, attention_inputs, case_batches,  # noqa: E402
+                     case_model, causal_attention, logical, tiny_llama)
 
 
-def build(kind):
-    return {"llama": lambda: tiny_llama(seed=0), "hf_llama": lambda: hf_llama(seed=0)}[kind]()
+def grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def main():
-    cp, dp, kind, T = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    policy = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "none" else None  # checkpointing of the cp engine
-    comm = sys.argv[6] if len(sys.argv) > 6 else "input_stationary"
-    if kind == "dead_peer":
-        return dead_peer(cp)
-    dist.init_process_group("gloo")
-    if dp > 1:
-        mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
-    else:
-        mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-    vocab = 128 if kind == "hf_llama" else 256
-    batches = [torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(s)) for s in range(dp)]
-    cfg = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=0.0, per_sample_comm=comm)
-    single_model, cp_model = build(kind), build(kind)
-    single = lf.compile(single_model, config=cfg)
-    parallel = lf.compile(cp_model, mesh, config=cfg, checkpoint=policy)
-
-    ids = batches[0]
-    ref = single.per_sample_grads(ids, ids)
-    ours = parallel.per_sample_grads(ids, ids)
-    worst_ps = max(float((ours[n] - ref[n]).abs().max()) for n in ref)
-    vs_plain_cp = 0.0
-    if policy is not None:  # checkpointed vs plain, both context parallel
-        plain_cp = lf.compile(build(kind), mesh, config=cfg).per_sample_grads(ids, ids)
-        vs_plain_cp = max(float((ours[n] - plain_cp[n]).abs().max()) for n in ref)
-
-    for b in batches:
-        single.accumulate(b, b)
-    single.finalize(logical(2 * dp))
+def engine_case(kind, world, dp, policy, comm) -> dict:
+    cp = world // dp
+    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")) if dp > 1 else \
+        init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     dp_rank = mesh["dp"].get_local_rank() if dp > 1 else 0
-    loss = parallel.accumulate(batches[dp_rank], batches[dp_rank])
-    parallel.finalize(logical(2 * dp))
-    worst_clip = max(float((p.grad - q.grad).abs().max())
-                     for p, q in zip(single_model.parameters(), cp_model.parameters()))
-    # The overlap pass only reorders: clipped gradients must be bit-identical without it.
-    no_overlap_model = build(kind)
-    no_overlap = lf.compile(no_overlap_model, mesh, config=cfg, checkpoint=policy)
-    no_overlap.parallel.overlap = False
-    no_overlap.accumulate(batches[dp_rank], batches[dp_rank])
+    batches = case_batches(kind, dp)
+    mine = batches[dp_rank]
+    clean = lf.DPConfig(max_grad_norm=CP_CLIP, noise_multiplier=0.0, per_sample_comm=comm)
+    model = case_model(kind)
+    out = {}
+
+    engine = lf.compile(model, mesh, config=clean, checkpoint=policy)
+    out["per_sample"] = engine.per_sample_grads(batches[0], batches[0])  # full, on every rank
+    out["loss"] = float(engine.accumulate(mine, mine))  # summed over cp: this replica's batch
+    engine.finalize(logical(2 * dp))  # E[B] = 1: .grad is the clipped sum over every replica
+    out["clipped"] = grads(model)
+    out["clipped_something"] = bool((engine.last_norms > CP_CLIP).any())
+    out["bytes"] = engine.communication_bytes()
+    out["passes"] = engine.lower(mine, mine).passes
+
+    # The overlap pass only reorders: without it the clipped gradient must be bit-identical.
+    no_overlap = lf.compile(model, mesh, config=clean, checkpoint=policy, disable_passes=("overlap",))
+    no_overlap.accumulate(mine, mine)
     no_overlap.finalize(logical(2 * dp))
-    overlap_identical = all(torch.equal(p.grad, q.grad)
-                            for p, q in zip(no_overlap_model.parameters(), cp_model.parameters()))
-    clipped = bool((parallel.last_norms > cfg.max_grad_norm).any())
-    ref_loss = single_model(batches[dp_rank], batches[dp_rank]).sum()
-    # Noise: same key, σ > 0: the parallel engine must add exactly the single-process noise
-    # (once per coordinate, not once per rank or per dp replica).
-    noisy = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=1.0, insecure_seed=7, per_sample_comm=comm)
-    single = lf.compile(single_model, config=noisy)
-    parallel = lf.compile(cp_model, mesh, config=noisy, checkpoint=policy)
-    for b in batches:
-        single.accumulate(b, b)
-    single.finalize(logical(2 * dp, 4.0))
-    parallel.accumulate(batches[dp_rank], batches[dp_rank])
-    parallel.finalize(logical(2 * dp, 4.0))
-    worst_noise = max(float((p.grad - q.grad).abs().max())
-                      for p, q in zip(single_model.parameters(), cp_model.parameters()))
-    result = {"overlap_identical": overlap_identical, "vs_plain_cp": vs_plain_cp, "noisy": worst_noise, "per_sample": worst_ps, "clipped_sum": worst_clip, "clipped_something": clipped,
-              "loss": abs(float(loss) - float(ref_loss)), "bytes": parallel.communication_bytes(),
-              "rank": dist.get_rank()}
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    out["clipped_no_overlap"] = grads(model)
+    out["passes_no_overlap"] = no_overlap.lower(mine, mine).passes
+
+    # Noise with a fixed key: the oracle adds the same draw once; here it must be added once
+    # per coordinate too (not once per rank, shard or replica), divided by E[B].
+    noisy = lf.DPConfig(max_grad_norm=CP_CLIP, noise_multiplier=1.0, insecure_seed=CP_NOISE_SEED, per_sample_comm=comm)
+    engine = lf.compile(model, mesh, config=noisy, checkpoint=policy)
+    engine.accumulate(mine, mine)
+    engine.finalize(logical(2 * dp, CP_NOISE_E))
+    out["noisy"] = grads(model)
+    return out
 
 
-def dead_peer(cp):
-    """Rank 1 dies after compile; rank 0 must get a clear error within the PG timeout."""
-    import datetime
-    import time
+def ring_case(world: int, cp: int) -> dict:
+    """Ring attention over cp ranks. cp groups are strided ({0, 2}, {1, 3} for world 4, cp 2)
+    so that global and group ranks differ; each group (dp replica) gets its own data.
+    Returns, per tensor, None or assert_close's message, and the block counts of each rank."""
+    rank = dist.get_rank()
+    n_rep = world // cp
+    groups = [dist.new_group(list(range(d, world, n_rep))) for d in range(n_rep)]
+    dp = rank % n_rep
+    group = groups[dp]
+    cp_rank = dist.get_rank(group)
+    assert cp_rank == rank // n_rep
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
-    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    q, k, v, grad = attention_inputs(100 * cp + dp)
+    B, HQ, T, D = q.shape
+    HKV = k.shape[1]
+    ref_out, ref_lse, ref_grads = causal_attention(q, k, v, grad)
+    local = [ra.shard_sequence(t, cp, cp_rank, dim=2) for t in (q, k, v, grad)]
+    ql, kl, vl = (t.clone().requires_grad_() for t in local[:3])
+    out, lse = torch.ops.longshield.ring_attention(ql, kl, vl, D**-0.5, group.group_name, cp)
+    dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), local[3])
+    result = {"shapes": [tuple(out.shape), tuple(lse.shape), tuple(dk.shape), tuple(dv.shape)],
+              "expected_shapes": [(B, HQ, T // cp, D), (B, HQ, T // cp), (B, HKV, T // cp, D), (B, HKV, T // cp, D)]}
+
+    def gathered(x):
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return ra.unshard_sequence(parts, cp, dim=2)  # (B, H, L[, D]): sequence is dim 2
+
+    for name, got, want in [("out", out, ref_out), ("lse", lse, ref_lse),
+                            ("dq", dq, ref_grads[0]), ("dk", dk, ref_grads[1]), ("dv", dv, ref_grads[2])]:
+        try:
+            torch.testing.assert_close(gathered(got), want, atol=1e-5, rtol=1e-5)
+            result[name] = None
+        except AssertionError as e:
+            result[name] = f"cp={cp} {name}: {e}"
+    counts = [None] * cp
+    dist.all_gather_object(counts, dict(ra.last_block_counts), group=group)
+    result["counts"] = counts
+    result["expected_blocks"] = ra.blocks_per_rank(cp)[cp_rank]
+    return result
+
+
+def dead_peer() -> dict:
+    """Rank 1 exits after compile; rank 0 must get a clear error within the group's timeout."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
     engine = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 0.0))
     if dist.get_rank() == 1:
         os._exit(0)
@@ -100,10 +129,37 @@ def dead_peer(cp):
     try:
         engine.accumulate(ids, ids)
     except RuntimeError as e:
-        print("RESULT " + json.dumps({"error": str(e)[:300], "seconds": time.time() - start}), flush=True)
-        os._exit(0)
-    print("RESULT " + json.dumps({"error": None}), flush=True)
-    os._exit(0)
+        return {"error": str(e)[:300], "seconds": time.time() - start}
+    return {"error": None}
+
+
+def main():
+    out_path = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    world = dist.get_world_size()
+    results = {}
+
+    def record(name, fn, *args):
+        start = time.time()
+        try:
+            results[name] = fn(*args)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            torch.save(results, out_path)
+            raise  # the ranks would fall out of step: stop the launch (the tests show the error)
+        results[name]["_seconds"] = time.time() - start
+        torch.save(results, out_path)
+
+    if world == 4:
+        for cp in (4, 2):
+            record(f"ring-cp{cp}", ring_case, world, cp)
+    for name, (case_world, kind, dp, policy, comm) in CP_CASES.items():
+        if case_world == world:
+            record(name, engine_case, kind, world, dp, policy, comm)
+    if world == 2:
+        record("dead_peer", dead_peer)
+        os._exit(0)  # the default group has a dead peer: do not wait for it at teardown
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import longshield_fx as lf
 from longshield_fx.runtime.accounting import epsilon_for
 
 from longshield_fx.data import PoissonBatches
-from oracles import MLP, logical, mlp_batch, tiny_llama, token_batch
+from oracles import MLP, logical, mlp_batch, tiny_llama
 
 
 class Constant(nn.Module):
@@ -41,28 +41,29 @@ def test_noise_std_is_sigma_c_over_expected_batch_size(micro_batches):
 
 def test_fixed_shape_engine_never_recaptures_across_poisson_batches():
     torch.manual_seed(0)
-    N, T = 40, 8
+    N, T, steps = 40, 8, 20
     tokens = torch.randint(0, 256, (N, T))
     model = tiny_llama()
     q = 0.1
     engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0))
-    batches = PoissonBatches(tokens, sample_rate=q, physical_batch_size=3)
     sizes = []
-    it = iter(batches)
-    for _ in range(50):
-        try:
-            logical = next(it)
-        except StopIteration:
-            it = iter(batches)
-            logical = next(it)
-        sizes.append(logical.size)
-        for (ids,), mask in logical.physical:
+    for batch in PoissonBatches(tokens, sample_rate=q, physical_batch_size=3, steps=steps):
+        sizes.append(batch.size)
+        for (ids,), mask in batch.physical:
             engine.accumulate(ids, ids, mask=mask)
-        engine.finalize(logical)
-    assert engine.captures == 1
+        engine.finalize(batch)
     assert len(set(sizes)) > 2  # the logical batch size varied, the graph did not
-    assert engine.accountant.steps == 50
-    assert engine.accountant.history == [(1.0, q, 50)]  # q from the sampler
+    # An empty logical batch (q so small that nothing is sampled) is one fully masked
+    # physical batch of the same shape: noise only, still no recapture.
+    (empty,) = PoissonBatches(tokens, sample_rate=1e-12, physical_batch_size=3, steps=1)
+    assert empty.size == 0 and len(empty.physical) == 1
+    (ids,), mask = empty.physical[0]
+    engine.accumulate(ids, ids, mask=mask)
+    engine.finalize(empty)
+    assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in model.parameters())
+    assert engine.captures == 1
+    assert engine.accountant.steps == steps + 1
+    assert engine.accountant.history == [(1.0, q, steps), (1.0, 1e-12, 1)]  # q from the sampler
 
 
 def test_epsilon_agrees_with_dp_accounting():
@@ -247,7 +248,7 @@ def _hook_state(model):
     return state
 
 
-def test_no_hooks_during_compile_and_run(monkeypatch):
+def test_no_hooks_during_compile_and_run(monkeypatch, tiny, tokens):
     """No hook is registered on the model, its modules, its tensors, or globally."""
     calls = []
     for cls, names in ((nn.Module, ["register_forward_hook", "register_forward_pre_hook",
@@ -266,10 +267,10 @@ def test_no_hooks_during_compile_and_run(monkeypatch):
     for name in ["register_module_forward_hook", "register_module_forward_pre_hook",
                  "register_module_full_backward_hook", "register_module_backward_hook"]:
         monkeypatch.setattr(M, name, lambda *a, _n=name, **k: calls.append(_n))
-    model = tiny_llama()
+    model = tiny
     before = _hook_state(model)
     engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0))
-    ids, labels = token_batch()
+    ids, labels = tokens
     engine.accumulate(ids, labels)
     engine.finalize(logical(3, 3.0))
     engine.per_sample_grads(ids, labels)

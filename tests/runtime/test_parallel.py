@@ -1,59 +1,126 @@
 """Context and data parallelism on real gloo ranks (torchrun), against one process.
 
-Each case launches ``cp_worker.py`` under torchrun; every rank builds the same model twice
-(same seed): a single-process engine (the oracle) and a context-parallel one, feeds both
-the same batches, and rank 0 reports the largest differences.
+Every case of ``oracles.CP_CASES`` runs in one of two torchrun launches of ``cp_worker.py``
+(2 and 4 ranks; the ``distributed`` fixture); each rank records what the context-parallel
+engine computed on fixed batches. The oracle runs here, once per (model, dp): a
+single-process engine built from the same seed, fed every replica's batch.
 """
-import json
-import os
-import subprocess
-import sys
+import math
 
 import pytest
+import torch
 
-WORKER = os.path.join(os.path.dirname(__file__), "cp_worker.py")
+import longshield_fx as lf
 
+from oracles import (CP_CASES, CP_CLIP, CP_NOISE_E, CP_NOISE_SEED, case_batches, case_model, logical)
 
-def launch(cp, dp, kind, T=16, checkpoint=None, comm="input_stationary"):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp * dp}",
-           WORKER, str(cp), str(dp), kind, str(T), checkpoint or "none", comm]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[0][len("RESULT "):])
+CASES = [pytest.param(name, marks=pytest.mark.torchrun(world), id=name)
+         for name, (world, *_) in CP_CASES.items()]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "hf_llama"])
-@pytest.mark.parametrize("cp,dp", [(2, 1), (4, 1), (2, 2)])
-def test_matches_single_process(cp, dp, kind):
-    r = launch(cp, dp, kind)
-    assert r["per_sample"] <= 1e-5          # full, unsharded per-sample gradients
-    assert r["clipped_something"]
-    assert r["clipped_sum"] <= 1e-5        # noise-free clipped gradient after finalize
-    assert r["noisy"] <= 1e-5              # same seed, same noise: added once, not per rank
-    assert r["loss"] <= 1e-4
-    assert r["bytes"]["reduce_scatter"] > 0
-    assert r["overlap_identical"]          # the overlap pass changes no bit
+@pytest.fixture(scope="module")
+def oracle():
+    """``oracle(kind, dp)``: per-sample gradients of replica 0's batch, the loss of it, and the
+    clipped and the noisy gradient over every replica's batch, all in one process."""
+    cache = {}
+
+    def get(kind, dp):
+        if (kind, dp) not in cache:
+            batches = case_batches(kind, dp)
+            model = case_model(kind)
+            out = {"per_sample": lf.compile(model).per_sample_grads(batches[0], batches[0])}
+            with torch.no_grad():
+                out["loss"] = float(model(batches[0], batches[0]).sum())
+            for key, config, divisor in (
+                    ("clipped", lf.DPConfig(CP_CLIP, 0.0), 1.0),
+                    ("noisy", lf.DPConfig(CP_CLIP, 1.0, insecure_seed=CP_NOISE_SEED), CP_NOISE_E)):
+                engine = lf.compile(model, config=config)
+                for b in batches:
+                    engine.accumulate(b, b)
+                engine.finalize(logical(2 * dp, divisor))
+                out[key] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            cache[kind, dp] = out
+        return cache[kind, dp]
+
+    return get
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,policy", [("llama", "block"), ("hf_llama", "selective")])
-def test_checkpointed_context_parallel_matches_plain_single_process(kind, policy):
-    r = launch(2, 1, kind, checkpoint=policy)
-    assert r["vs_plain_cp"] <= 1e-6  # checkpointed vs plain, both cp=2
-    assert r["per_sample"] <= 1e-5 and r["clipped_sum"] <= 1e-6 and r["noisy"] <= 1e-5
+def case(distributed, name):
+    world, kind, dp, policy, comm = CP_CASES[name]
+    return distributed.check(world, name), kind, dp, policy, comm
 
 
-@pytest.mark.slow
-def test_output_stationary_matches_single_process():
-    r = launch(2, 1, "llama", comm="output_stationary")
-    assert r["per_sample"] <= 1e-5 and r["clipped_sum"] <= 1e-5 and r["noisy"] <= 1e-5
-    assert r["bytes"]["all_gather"] > 0
+def worst(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-@pytest.mark.slow
-def test_dead_peer_gives_a_clear_error_not_a_hang():
-    r = launch(2, 1, "dead_peer")
-    assert r["error"] and "peer rank probably died" in r["error"]
+def bit_identical(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_per_sample_gradients_match_one_process(distributed, oracle, name):
+    ranks, kind, dp, _, _ = case(distributed, name)
+    ref = oracle(kind, dp)
+    for rank, r in ranks.items():  # full, unsharded per-sample gradients on every rank
+        assert worst(r["per_sample"], ref["per_sample"]) <= 1e-5, rank
+    assert abs(ranks[0]["loss"] - ref["loss"]) <= 1e-4
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_clipped_gradient_matches_one_process_on_every_rank(distributed, oracle, name):
+    ranks, kind, dp, policy, comm = case(distributed, name)
+    ref = oracle(kind, dp)
+    assert all(r["clipped_something"] for r in ranks.values())
+    tolerance = 1e-6 if policy else 1e-5
+    for rank, r in ranks.items():
+        assert worst(r["clipped"], ref["clipped"]) <= tolerance, rank
+        # every rank holds the same full gradient (a replicated optimizer stays in step)
+        assert bit_identical(r["clipped"], ranks[0]["clipped"]), rank
+    moved = ranks[0]["bytes"]
+    assert moved["reduce_scatter" if comm == "input_stationary" else "all_gather"] > 0, moved
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_noise_is_added_once_per_coordinate(distributed, oracle, name):
+    """Same key as the oracle: the same noise, added once (not per rank, shard or replica),
+    divided by E[B]; so noisy - clipped / E[B] has std σC/E[B] over the coordinates."""
+    ranks, kind, dp, _, _ = case(distributed, name)
+    ref = oracle(kind, dp)
+    for rank, r in ranks.items():
+        assert worst(r["noisy"], ref["noisy"]) <= 1e-5, rank
+        assert bit_identical(r["noisy"], ranks[0]["noisy"]), rank
+    r = ranks[0]
+    noise = torch.cat([(r["noisy"][n] - r["clipped"][n] / CP_NOISE_E).flatten() for n in r["noisy"]]).double()
+    expected, n = 1.0 * CP_CLIP / CP_NOISE_E, noise.numel()
+    assert abs(float(noise.std()) - expected) <= 5 * expected / math.sqrt(2 * n)
+    assert abs(float(noise.mean())) <= 5 * expected / math.sqrt(n)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_overlap_pass_changes_no_bit(distributed, name):
+    ranks, *_ = case(distributed, name)
+    for rank, r in ranks.items():
+        assert "overlap" in r["passes"] and "overlap" not in r["passes_no_overlap"]
+        assert [p for p in r["passes"] if p != "overlap"] == r["passes_no_overlap"]
+        assert bit_identical(r["clipped_no_overlap"], r["clipped"]), rank
+
+
+@pytest.mark.parametrize("name", [p for p in CASES if CP_CASES[p.values[0]][3] is not None])
+def test_checkpointed_matches_plain_context_parallel(distributed, name):
+    """Checkpointed vs plain, both cp=2 in the same launch: per-sample gradients to 1e-6."""
+    ranks, kind, dp, policy, comm = case(distributed, name)
+    plain_name = next(n for n, (w, k, d, p, c) in CP_CASES.items()
+                      if (w, k, d, p, c) == (CP_CASES[name][0], kind, dp, None, comm))
+    plain, *_ = case(distributed, plain_name)
+    assert ranks[0]["passes"][-1] == "checkpoint" and "checkpoint" not in plain[0]["passes"]
+    for rank in ranks:
+        assert worst(ranks[rank]["per_sample"], plain[rank]["per_sample"]) <= 1e-6, rank
+
+
+@pytest.mark.torchrun(2)
+def test_dead_peer_gives_a_clear_error_not_a_hang(distributed):
+    r = distributed.check(2, "dead_peer")
+    assert 1 not in r  # rank 1 left
+    assert r[0]["error"] and "peer rank probably died" in r[0]["error"], r[0]

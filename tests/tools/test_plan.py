@@ -1,48 +1,84 @@
-"""The memory planner: the per-node affine fit, the CLI's errors, and the paper's ordering claim.
+"""The memory planner: the per-node affine fit, one capture serving two layouts, the CLI's
+errors, and the paper's ordering claim at the paper's real shapes.
 
-Graph captures are memoised in-process (``longshield_fx.plan._MEMO``), so tests that need
-the same (spec, T) share one capture. The slow tests capture the three real models (12
-captures, minutes each for 8B on a busy 2-core CPU); with ``LONGSHIELD_FX_CACHE=DIR`` set
-they also read and write the planner's disk cache there (entries are keyed by a hash of the
-graph-building sources and the torch version, so a stale entry is never read).
+Captures are the cost here (seconds for the byte-vocabulary "small" Llama, up to a minute for
+8B at cp=4), so each module fixture asks ``plan_graphs.prefetch`` for every capture its tests
+read, once, two worker processes at a time (the captures are single-threaded Python; this
+machine has 2 cores), and the tests read them from the in-process memo. With
+``LONGSHIELD_FX_CACHE=DIR`` set the paper-shape captures also go through the planner's disk
+cache there (keyed by a hash of the graph-building sources and the torch version, so a stale
+entry is never read).
 """
-import dataclasses
 import math
 import os
 from pathlib import Path
 
 import pytest
 
-from longshield_fx import plan as P
+from longshield_fx import cli
+from longshield_fx.tools import plan as P
+from longshield_fx.tools import plan_graphs
+from longshield_fx.tools.paper_tables import ModelPlans, summary_row
 
-SMALL = dict(dtype="fp32")  # the byte-vocabulary "small" reference Llama: captures in seconds
+JOBS = 2
+SMALL = [P.GraphSpec("small", 1, None, 1, "fp32"), P.GraphSpec("small", 2, "block", 1, "fp32")]
 
 
-@pytest.mark.parametrize("cp,checkpoint", [(1, None), (2, "block")], ids=["cp1", "cp2-block"])
-def test_affine_fit_predicts_a_third_T(cp, checkpoint):
+def third_T(spec) -> int:
+    return 4 * P.fit_points(spec.cp)[1]
+
+
+PAPER = [P.GraphSpec(m, 4, "block", 1, "bf16") for m in P.MODELS] + [P.GraphSpec(m, 1, None, 1, "bf16")
+                                                                       for m in P.MODELS]
+
+
+def _cache_dir() -> Path | None:
+    return Path(os.environ["LONGSHIELD_FX_CACHE"]) if os.environ.get("LONGSHIELD_FX_CACHE") else None
+
+
+@pytest.fixture(scope="module")
+def captures():
+    """Every capture this module reads, made once by one pool of two worker processes, costliest
+    first: the small model's at its two fit points and a third T (cp=1; cp=2 + block, which
+    brings cp=2 without checkpointing along), and the paper models' at their fit points
+    (cp=4 + block, bringing plain cp=4; FSDP-style cp=1)."""
+    small = [(s, T) for s in SMALL for T in (*P.fit_points(s.cp), third_T(s))]
+    plan_graphs.prefetch(small + P.fit_requests(PAPER), _cache_dir(), jobs=JOBS)
+
+
+@pytest.fixture(scope="module")
+def small_captures(captures):
+    """The small model's captures, memoised in this process by ``captures``."""
+    for spec, T in [(s, T) for s in SMALL for T in (*P.fit_points(s.cp), third_T(s))]:
+        assert plan_graphs.cached(spec, T) is not None
+
+
+@pytest.mark.parametrize("spec", SMALL, ids=["cp1", "cp2-block"])
+def test_affine_fit_predicts_a_third_T(spec, small_captures):
     """The fitted peak at a third T (4x the larger fit point) matches a direct capture there."""
-    spec = P.GraphSpec("small", cp=cp, checkpoint=checkpoint, **SMALL)
     fit = P.fit_graph(spec)
-    T3 = 4 * fit.T_points[1]
+    T3 = third_T(spec)
     direct = P.measure(spec, T3)
     predicted, node = fit.peak(T3)
     actual = max(direct.timeline) + direct.batch_bytes
     assert predicted == pytest.approx(actual, rel=0.02), (node, predicted, actual)
 
 
-def test_uncheckpointed_graph_recorded_during_a_checkpointed_capture_is_the_plain_graph():
-    spec = P.GraphSpec("small", cp=2, checkpoint="block", **SMALL)
-    plain = dataclasses.replace(spec, checkpoint=None)
-    T = P.fit_points(2)[0]
-    P.measure(spec, T)
-    recorded = P._MEMO.pop((plain, T))
-    direct = P.measure(plain, T)
-    assert recorded.ops_digest == direct.ops_digest
-    assert recorded.timeline == direct.timeline
+def test_one_capture_serves_the_checkpointed_and_the_plain_layout(small_captures):
+    """The plain timeline recorded from the checkpointed spec's capture (before the checkpoint
+    pass rewrote that graph) is the timeline of a capture made without checkpointing."""
+    spec = SMALL[1]
+    T = P.fit_points(spec.cp)[0]
+    recorded = plan_graphs.cached(spec.plain, T)
+    assert recorded is not None  # stored by the checkpointed capture: no plain capture was requested
+    direct = plan_graphs.capture_timelines(spec.plain, T)[spec.plain]
+    assert recorded.ops_digest == direct.ops_digest and recorded.timeline == direct.timeline
+    checkpointed = P.measure(spec, T)
+    assert checkpointed.ops_digest != direct.ops_digest and max(checkpointed.timeline) < max(direct.timeline)
 
 
-def test_memory_grows_with_T_and_shrinks_with_gpus():
-    spec = P.GraphSpec("small", cp=1, **SMALL)
+def test_memory_grows_with_T_and_shrinks_with_gpus(small_captures):
+    spec = SMALL[0]
     fit = P.fit_graph(spec)
     stats = P.model_stats("small")
     lp = P.LayoutPlan("x", spec, fit, 4, 1 * P.GiB, 0.0, stats)
@@ -73,57 +109,67 @@ def test_model_stats_match_llama_parameter_counts():
     (["--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "80", "--cp", "3"], "--cp 3 does not divide --gpus 4"),
     (["--model", "llama3.2-1b", "--gpus", "6", "--gpu-mem-gb", "80", "--cp", "4"], "--cp 4 does not divide --gpus 6"),
     (["--gpus", "4", "--gpu-mem-gb", "80"], "required: --model"),
-    (["--model", "llama3.2-1b", "--gpus", "four", "--gpu-mem-gb", "80"], "--gpus: not a number"),
+    (["--model", "llama3.2-1b", "--gpus", "four", "--gpu-mem-gb", "80"], "--gpus: expected an integer"),
+    (["--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "80", "--overhead-gb", "-1"],
+     "--overhead-gb: must be >= 0"),
+    (["--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "80", "--seq-len", "100"],
+     "--seq-len 100 must be a multiple of 2*cp = 8"),
 ])
 def test_bad_requests_exit_nonzero_with_one_line(argv, message, capsys):
-    assert P.main(argv) != 0
+    try:
+        code = cli.main(["plan", *argv])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
     out, err = capsys.readouterr()
     assert out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+    assert lines[0].startswith("longshield-fx plan: error: ")
 
 
 # --- the paper's ordering claim, real shapes -----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def plans_4x80():
-    """model -> (FSDP-style, DP cp=4, DP cp=4 + block) at 4 x 80 GiB, MBS 1, bf16."""
+def plans_4x80(captures):
+    """model -> (FSDP-style, DP cp=4, DP cp=4 + block) at 4 x 80 GiB, MBS 1, bf16: 12 captures
+    at the real Llama shapes (two per layout; the checkpointed cp=4 capture brings the plain
+    cp=4 graph along)."""
+    cache = _cache_dir()
     out = {}
-    cache = Path(os.environ["LONGSHIELD_FX_CACHE"]) if os.environ.get("LONGSHIELD_FX_CACHE") else None
-
-    def get(model):
-        if model not in out:
-            # the checkpointed capture also records the cp=4 graph without checkpointing
-            block, fsdp = P.plan(model, 4, 80.0, cp=4, checkpoint="block", cache_dir=cache)
-            plain = P.plan_layout("DP cp=4", P.GraphSpec(model, 4, None, 1, "bf16"), gpus=4, gpu_mem_gib=80.0,
-                                  cache_dir=cache)
-            out[model] = fsdp, plain, block
-        return out[model]
-    return get
+    for model in P.MODELS:
+        block, fsdp = P.plan(model, 4, 80.0, cp=4, checkpoint="block", cache_dir=cache)
+        plain = P.plan_layout("DP cp=4", P.GraphSpec(model, 4, None, 1, "bf16"), gpus=4, gpu_mem_gib=80.0,
+                              cache_dir=cache)
+        out[model] = fsdp, plain, block
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", P.MODELS)
 def test_cp4_reaches_4x_the_fsdp_context_and_block_checkpointing_more(model, plans_4x80):
-    fsdp, plain, block = plans_4x80(model)
+    fsdp, plain, block = plans_4x80[model]
     assert plain.max_T is not None, f"{model}: DP cp=4 fits no context at all"
     assert plain.max_T >= 4 * (fsdp.max_T or 0), (fsdp.max_T, plain.max_T)
     assert block.max_T is not None and block.max_T > plain.max_T, (plain.max_T, block.max_T)
     for lp in (fsdp, plain, block):
         if lp.max_T:
             assert lp.at_max.total <= 80 * P.GiB < lp.breakdown(2 * lp.max_T).total
+    # ... and the summary row of benchmarks/results/planner.md says so
+    row = summary_row(ModelPlans(model, v3=block, v2={1: plain}, fsdp={(4, 1): fsdp}))
+    assert row.endswith("| yes | yes |"), row
 
 
 @pytest.mark.slow
 def test_main_prints_the_plan(plans_4x80, capsys):
-    plans_4x80("llama3.2-1b")  # the captures main needs are memoised by now
-    assert P.main(["--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "80", "--checkpoint", "block",
-                   "--cache-dir", "", "--seq-len", "65536"]) == 0
+    """``longshield-fx plan`` end to end (the captures it needs are memoised by now)."""
+    assert cli.main(["plan", "--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "80", "--checkpoint", "block",
+                     "--cache-dir", "", "--jobs", "1", "--seq-len", "65536"]) == 0
     out = capsys.readouterr().out
-    fsdp, _, block = plans_4x80("llama3.2-1b")
+    fsdp, _, block = plans_4x80["llama3.2-1b"]
     assert "DP cp=4 block" in out and "FSDP-style cp=1" in out
     for lp in (block, fsdp):
-        assert P._tokens(lp.max_T) in out
+        assert P.tokens(lp.max_T) in out
     for column in ("params", "grads", "optimizer", "gathered", "graph", "overhead", "total"):
         assert column in out
     assert "at T = 65536" in out

@@ -1,0 +1,87 @@
+"""``longshield-fx plan``: the longest context that fits on N GPUs, from the rewritten graph
+built on fake tensors (``longshield_fx.tools.plan``); ``--table`` writes the comparison with
+the paper's tables (``longshield_fx.tools.paper_tables``)."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from .common import CLIError, Formatter, nonneg_float, positive_float, positive_int
+
+
+def add_parser(sub) -> None:
+    from ..tools.plan import DEFAULT_OVERHEAD_GIB, DTYPES, MODELS
+    from ..tools.plan_graphs import default_cache_dir
+
+    p = sub.add_parser(
+        "plan", formatter_class=Formatter, help="predict the longest context that fits on N GPUs",
+        description="Longest power-of-two context per GPU for DP training with longshield_fx (cp layout) and "
+                    "for an FSDP-style layout, from the rewritten graph built on fake tensors.")
+    p.set_defaults(func=plan)
+    p.add_argument("--model", choices=MODELS, metavar="MODEL",
+                   help=f"one of {', '.join(MODELS)} (default: none; required unless --table)")
+    p.add_argument("--gpus", type=positive_int, help="number of GPUs N (model states shard over all) "
+                   "(default: none; required unless --table)")
+    p.add_argument("--gpu-mem-gb", type=positive_float, help="memory per GPU in GiB (80 for an 80 GB H100) "
+                   "(default: none; required unless --table, where it is 80)")
+    p.add_argument("--cp", type=positive_int, default=None, help="context-parallel degree (default: --gpus)")
+    p.add_argument("--checkpoint", choices=["block", "selective"], default=None,
+                   help="activation checkpointing of the DP layout (default: none)")
+    p.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size (samples per GPU per step)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype")
+    p.add_argument("--overhead-gb", type=nonneg_float, default=DEFAULT_OVERHEAD_GIB,
+                   help="fixed GiB per GPU for the CUDA context, workspaces and fragmentation")
+    p.add_argument("--seq-len", type=positive_int, default=None,
+                   help="also print the breakdown at this T (default: none)")
+    p.add_argument("--table", metavar="PATH", default=None,
+                   help="instead: write the predictions next to longshield.md Tables 2, 4, 5 (4 x --gpu-mem-gb) "
+                        "as markdown to PATH (default: none)")
+    p.add_argument("--cache-dir", default=str(default_cache_dir()),
+                   help="where graph timelines are cached (keyed by a hash of the sources); '' disables")
+    p.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1),
+                   help="graph captures run at once, each in its own process")
+
+
+def _request(args) -> int:
+    """The cp degree; refuses a request the planner cannot answer."""
+    from ..tools.plan import PlanError, check_args
+
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "gpus", "gpu_mem_gb") if getattr(args, n) is None]
+    if missing:
+        raise CLIError(f"the following arguments are required: {', '.join(missing)}")
+    cp = args.gpus if args.cp is None else args.cp
+    try:
+        check_args(args.model, args.gpus, args.gpu_mem_gb, cp, args.mbs)
+    except PlanError as e:
+        raise CLIError(str(e)) from None
+    if args.seq_len is not None and args.seq_len % (2 * cp):
+        raise CLIError(f"--seq-len {args.seq_len} must be a multiple of 2*cp = {2 * cp}")
+    return cp
+
+
+def plan(args) -> int:
+    from ..tools import paper_tables
+    from ..tools.plan import format_plan, plan as make_plan
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    if args.table:
+        print(paper_tables.write_table(args.table, gpu_mem_gib=args.gpu_mem_gb or 80.0, dtype=args.dtype,
+                                       overhead_gib=args.overhead_gb, cache_dir=cache_dir, jobs=args.jobs,
+                                       log=lambda m: print(m, file=sys.stderr, flush=True)))
+        return 0
+    cp = _request(args)
+    start = time.perf_counter()
+    plans = make_plan(args.model, args.gpus, args.gpu_mem_gb, cp=cp, checkpoint=args.checkpoint, mbs=args.mbs,
+                      dtype=args.dtype, overhead_gib=args.overhead_gb, cache_dir=cache_dir, jobs=args.jobs)
+    header = (f"longshield-fx plan: {args.model}, {args.gpus} x {args.gpu_mem_gb:g} GiB, mbs {args.mbs}, "
+              f"{args.dtype} ({time.perf_counter() - start:.0f}s)")
+    print(format_plan(list(plans), header=header))
+    if args.seq_len is not None:
+        print(f"\nat T = {args.seq_len}:")
+        for p in plans:
+            b = p.breakdown(args.seq_len)
+            fits = "fits" if b.total <= p.gpu_mem else "OOM"
+            print(f"  {p.title:<22} " + " ".join(f"{k} {v:.2f}" for k, v in b.as_gib().items()) + f"  ({fits})")
+    return 0

@@ -1,0 +1,335 @@
+"""``longshield-fx train``: DP-SGD on this machine's Python standard library sources.
+
+The run is a sequence of named steps over one ``Job`` (see ``train``); the loop itself is
+``train_loop.run_steps`` and the closing report ``train_loop.finish``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoints import (CHECKPOINT_FORMAT, atomic_save, checkpoint_dir, jsonable, list_checkpoints, load_latest,
+                          resolve_resume, signature_diff)
+from .common import (CLIError, Formatter, add_model_args, build_model, check_seq_len, load_hf_config, nonneg_float,
+                     nonneg_int, positive_float, positive_int, rank, say, setup_distributed)
+from .corpus import PRIVACY_UNIT, default_delta, stdlib_corpus
+
+DESCRIPTION = (
+    "DP-SGD training of a byte-level causal LM on this machine's Python standard library sources\n"
+    "(the embedded 'private codebase'): Poisson-sampled logical batches cut into fixed-shape masked\n"
+    "physical batches, per-sample clipping and Gaussian noise inside the compiled graph, AdamW.\n"
+    "The privacy unit is the DOCUMENT: one stdlib file is one row (its first T bytes; the rest of a\n"
+    "longer file is not used, and the truncation is reported), sampled and clipped as one sample, so ε\n"
+    "is per document (add/remove one document). σ is calibrated before training so that ε after\n"
+    "--steps steps is <= --target-epsilon at δ = min(1e-5, N^-1.1) (N = number of documents), unless\n"
+    "--sigma is given. The DP noise and the sampling come from secret ChaCha20 streams keyed by the OS;\n"
+    "--seed seeds the model initialisation only.\n\n"
+    "Writes to --out: metrics.jsonl (one JSON line per step), loss_vs_epsilon.png, summary.json,\n"
+    "final_model.pt (the trained model's state dict: covered by ε) and checkpoints/ckpt-<step>.pt.\n"
+    "Training losses, timings and counts (non-finite samples; batch sizes and tokens only with\n"
+    "--log-private-stats) come from the private data without noise: they are NOT covered by ε and\n"
+    "are written only under the key 'not_covered_by_dp'. Checkpoints are SECRET: they hold the\n"
+    "noise key and the sampling key (anyone holding them can subtract the noise); keep them like the\n"
+    "data.\n\n"
+    "Context parallel: torchrun --standalone --nproc-per-node 2 -m longshield_fx train --cp 2\n"
+    "(world size W = dp * cp; each of the W/cp data-parallel groups takes a share of every\n"
+    "logical batch; all ranks read the same corpus and build the same model from --seed, rank 0's noise\n"
+    "and sampling keys are broadcast to all; rank 0 prints and writes).")
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("train", formatter_class=Formatter, description=DESCRIPTION,
+                       help="DP-SGD training on this machine's Python standard library sources")
+    add_model_args(t, seq_len_default=2048)
+    t.set_defaults(physical_batch_size=4, func=train)
+    _privacy_args(t)
+    _run_args(t)
+
+
+def _privacy_args(p) -> None:
+    p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (Poisson logical batches)")
+    p.add_argument("--expected-batch-size", type=positive_float, default=8.0, metavar="E",
+                   help="expected logical batch size; the sampling rate is q = E/N")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--target-epsilon", type=positive_float, default=8.0, metavar="EPS",
+                   help="ε budget for the whole run: σ is calibrated to it before training")
+    g.add_argument("--sigma", type=nonneg_float, default=None,
+                   help="noise multiplier σ, instead of calibrating one from --target-epsilon (default: calibrated)")
+    p.add_argument("--delta", type=positive_float, default=None,
+                   help="δ of the (ε, δ) guarantee, per document (default: min(1e-5, N^-1.1), N = number of "
+                   "documents: well below 1/N, as Ponomareva et al. 2023 'How to DP-fy ML' recommend, so that "
+                   "a mechanism leaking one whole document with probability δ leaks far less than one "
+                   "document in expectation)")
+    p.add_argument("--accountant", choices=["pld", "rdp"], default="pld",
+                   help="privacy accountant (dp-accounting): pld is the tightest, rdp is looser")
+    p.add_argument("--insecure-seed", type=int, default=None, metavar="N",
+                   help="TESTS ONLY, VOIDS THE PRIVACY GUARANTEE: derive the noise key and the sampling key from "
+                   "this public seed (separate keys), so runs are reproducible by anyone; a warning is printed "
+                   "and the seed is recorded in summary.json and signature.json (default: none; the keys are secret, "
+                   "from the OS)")
+    p.add_argument("--log-private-stats", action="store_true",
+                   help="also write the logical batch size and token counts of every step (under "
+                   "'not_covered_by_dp' in metrics.jsonl and summary.json): they are computed from the private "
+                   "data without noise and are NOT covered by ε")
+
+
+def _run_args(p) -> None:
+    p.add_argument("--lr", type=positive_float, default=2e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=nonneg_float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--max-files", type=nonneg_int, default=400,
+                   help="stdlib .py files read (sorted by path) for the corpus; 0 reads all")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model and the compiled step run (cuda: NCCL under torchrun; written for the "
+                   "CUDA attention kernels but not yet run on a GPU)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default: runs/train, or the --resume directory). Its checkpoints/ are "
+                   "SECRET: they hold the noise key and the sampling key")
+    p.add_argument("--save-every", type=nonneg_int, default=25, metavar="K",
+                   help="write a checkpoint every K steps and at the end (0: never)")
+    p.add_argument("--keep-checkpoints", type=positive_int, default=2, metavar="N",
+                   help="keep the N newest checkpoints, delete older ones")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue exactly from the newest complete checkpoint of the run in DIR (its --out, "
+                   "or its checkpoints/ folder); refused if the model, DP config, T or batch sizes differ. The "
+                   "checkpoint is SECRET (noise and sampling keys): the resumed run continues the same streams "
+                   "(default: none, a fresh run)")
+
+
+# --- the run --------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """Everything one training run holds, filled in by the steps of ``train`` in order."""
+
+    args: object
+    t_start: float
+    run_dir: Path = None
+    resumed_run: Path | None = None      # the run dir --resume named
+    ckpt_folder: Path | None = None
+    mesh: object = None
+    dp: int = 1
+    dp_rank: int = 0
+    corpus: object = None
+    q: float = 0.0
+    delta: float = 0.0
+    model: torch.nn.Module = None
+    model_desc: dict = None
+    model_name: str = ""
+    device: torch.device = None
+    sigma: float = 0.0
+    signature: dict = None
+    engine: object = None
+    opt: torch.optim.Optimizer = None
+    batches: object = None
+    resumed_from: Path | None = None     # the checkpoint file resumed from
+    start_step: int = 0
+    tokens_seen: int = 0
+    elapsed_before: float = 0.0
+    rows: list = field(default_factory=list)
+    t_loop: float = 0.0
+
+    @property
+    def rank0(self) -> bool:
+        return rank() == 0
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+
+def train(args) -> int:
+    """Validate, set up processes, corpus and model, decide σ (or resume), compile, restore,
+    announce, run the steps, report."""
+    from .train_loop import finish, run_steps
+
+    job = Job(args, time.time())
+    _check_args(job)
+    job.mesh, job.dp, job.dp_rank = setup_distributed(args.cp, args.device, "train")
+    _load_corpus(job)
+    job.model, job.model_desc, job.model_name = build_model(args)  # the only use of --seed (and dropout's RNG)
+    job.device = torch.device(args.device)
+    job.model.to(job.device)
+    state = _decide_sigma(job)
+    _compile(job)
+    if state is not None:
+        _restore(job, state)
+    _open_run_dir(job)
+    _announce(job)
+    run_steps(job)
+    return finish(job)
+
+
+def _check_args(job: Job) -> None:
+    """Fail fast on flags, before the corpus and the processes."""
+    args = job.args
+    if args.steps < 1:
+        raise CLIError(f"--steps must be >= 1, got {args.steps}")
+    check_seq_len(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda: no CUDA device is available")
+    if args.hf_config:
+        load_hf_config(args.hf_config)
+    job.run_dir = Path(args.out) if args.out else None
+    if args.resume:
+        job.resumed_run, job.ckpt_folder = resolve_resume(args.resume)
+        job.run_dir = job.run_dir or job.resumed_run
+    job.run_dir = job.run_dir or Path("runs/train")
+
+
+def _load_corpus(job: Job) -> None:
+    args = job.args
+    job.corpus = stdlib_corpus(args.seq_len, args.max_files or None)
+    N = job.corpus.num_documents
+    if args.expected_batch_size > N:
+        raise CLIError(f"--expected-batch-size {args.expected_batch_size:g} exceeds the corpus size N = {N} "
+                       "documents; lower it or raise --max-files")
+    job.q = args.expected_batch_size / N
+    job.delta = args.delta if args.delta is not None else default_delta(N)
+
+
+def make_signature(job: Job, sigma: float) -> dict:
+    """What a checkpoint must match to be resumed by this run."""
+    args = job.args
+    return jsonable({
+        "model": job.model_desc, "init_seed": args.seed,
+        "dp": {"max_grad_norm": args.max_grad_norm, "noise_multiplier": sigma, "clipping": args.clipping,
+               "sample_rate": job.q, "delta": job.delta, "accountant": args.accountant,
+               "insecure_seed": args.insecure_seed,
+               "target_epsilon": None if args.sigma is not None else args.target_epsilon},
+        "seq_len": args.seq_len, "physical_batch_size": args.physical_batch_size,
+        "expected_batch_size": args.expected_batch_size, "steps": args.steps,
+        "corpus": {"unit": "document", "num_documents": job.corpus.num_documents, "max_files": args.max_files},
+        "optimizer": {"name": "AdamW", "lr": args.lr, "weight_decay": args.weight_decay},
+    })
+
+
+def _decide_sigma(job: Job) -> dict | None:
+    """σ: given, calibrated to the target ε, or the resumed checkpoint's (after refusing a
+    checkpoint of a different run, before calibrating and compiling). Returns that checkpoint."""
+    import longshield_fx as lf
+
+    args, state = job.args, None
+    if job.ckpt_folder is not None:
+        state, job.resumed_from = load_latest(job.ckpt_folder)
+        saved = state["signature"]
+        sigma = args.sigma if args.sigma is not None else saved.get("dp", {}).get("noise_multiplier")
+        diffs = signature_diff(saved, make_signature(job, sigma))
+        if diffs:
+            raise CLIError(f"refusing to resume from {job.resumed_from}: it was written by a different run ("
+                           + "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "") + ")")
+        # Same calibration inputs (target ε, δ, q, steps, accountant): the checkpoint's σ is the calibrated one.
+    elif args.sigma is not None:
+        sigma = args.sigma
+    else:
+        sigma = lf.calibrate_noise(args.target_epsilon, job.delta, job.q, args.steps, method=args.accountant)
+    job.sigma, job.signature = sigma, make_signature(job, sigma)
+    return state
+
+
+def _compile(job: Job) -> None:
+    import longshield_fx as lf
+
+    from ..data import PoissonBatches
+
+    args = job.args
+    # No seed: the noise key is 256 bits from the OS (rank 0's, broadcast), unless --insecure-seed.
+    config = lf.DPConfig(args.max_grad_norm, job.sigma, clipping=args.clipping, accountant=args.accountant,
+                         insecure_seed=args.insecure_seed)
+    job.engine = lf.compile(job.model, job.mesh, config=config,
+                            checkpoint=None if args.checkpoint == "none" else args.checkpoint)
+    job.opt = torch.optim.AdamW(job.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # Built at the same point on every rank (its key is broadcast from rank 0); one row = one document.
+    job.batches = PoissonBatches(job.corpus.dataset(), sample_rate=job.q, physical_batch_size=args.physical_batch_size,
+                                 insecure_seed=args.insecure_seed, steps=args.steps)
+
+
+def _restore(job: Job, state: dict) -> None:
+    """Model, optimizer, the secret sampling and noise streams, the accountant and the RNG."""
+    job.model.load_state_dict(state["model"])
+    job.opt.load_state_dict(state["optimizer"])
+    job.batches.load_state_dict(state["sampler"])  # continues the same secret sampling stream
+    job.engine.load_state_dict(state["engine"])  # accountant and the same secret noise stream
+    torch.set_rng_state(state["torch_rng"])
+    if state.get("cuda_rng") is not None and job.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    job.start_step, job.tokens_seen, job.elapsed_before = state["step"], state["tokens"], state["elapsed_s"]
+
+
+def _read_metrics(path: Path, upto: int | None = None) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            if upto is None or row.get("step", 0) <= upto:
+                rows.append(row)
+    return rows
+
+
+def _open_run_dir(job: Job) -> None:
+    """Keep the metrics of the steps before the checkpoint (lines a killed run wrote after it
+    are dropped); write the signature."""
+    if job.start_step:
+        job.rows = _read_metrics((job.resumed_run or job.run_dir) / "metrics.jsonl", upto=job.start_step)
+    if not job.rank0:
+        return
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir(job.run_dir).mkdir(exist_ok=True)
+    tmp = job.metrics_path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in job.rows))
+    os.replace(tmp, job.metrics_path)
+    (job.run_dir / "signature.json").write_text(json.dumps(job.signature, indent=1) + "\n")
+
+
+def _announce(job: Job) -> None:
+    args, corpus, T, N = job.args, job.corpus, job.args.seq_len, job.corpus.num_documents
+    n_params = sum(p.numel() for p in job.model.parameters())
+    world = f"cp={args.cp}, dp={job.dp}" if job.mesh is not None else "one process"
+    say(f"model: {job.model_name}, {n_params:,} parameters, T={T}, {world}, device {job.device.type}, "
+        f"checkpointing {args.checkpoint}")
+    say(f"corpus: {N} documents (one stdlib file per row, its first {T} bytes; the privacy unit is the document); "
+        f"{corpus.truncated} truncated to {T} bytes, {corpus.fraction_used:.1%} of the corpus bytes used"
+        + (f", {corpus.skipped} file{'s' * (corpus.skipped != 1)} under 2 bytes left out" if corpus.skipped else "")
+        + " (these counts are NOT covered by DP)")
+    say(f"sampling: Poisson q = {job.q:.4g} (E[B] = {job.batches.expected_batch_size:g} documents), physical batch "
+        f"{args.physical_batch_size}")
+    how = "given" if args.sigma is not None else f"calibrated for ε = {args.target_epsilon:g} over {args.steps} steps"
+    if args.delta is None:
+        why = f"min(1e-5, N^-1.1) for N = {N} documents, well below 1/N = {1 / N:.3g}"
+    else:
+        why = "given" + ("" if job.delta < 1 / N else f"; NOT below 1/N = {1 / N:.3g}: a mechanism that releases "
+                         "one whole document with probability δ would satisfy this guarantee")
+    say(f"privacy: σ = {job.sigma:.4g} ({how}), δ = {job.delta:.3g} ({why}), C = {args.max_grad_norm:g}, "
+        f"{args.clipping} clipping, {args.accountant.upper()} accountant, ε {PRIVACY_UNIT}")
+    if args.insecure_seed is not None:
+        say(f"WARNING: --insecure-seed {args.insecure_seed}: the DP noise and the Poisson sampling are derived from a "
+            "public seed; anyone who knows it can regenerate the noise and subtract it. NO privacy guarantee holds "
+            "for this run (tests only).")
+    if job.start_step:
+        say(f"resumed from {job.resumed_from} at step {job.start_step}/{args.steps}, ε so far "
+            f"{job.engine.epsilon(job.delta):.3f}" + (" (the run had already finished)"
+                                                       if job.start_step >= args.steps else ""))
+
+
+def save_checkpoint(job: Job, step: int) -> None:
+    """Rank 0 writes ckpt-<step>.pt atomically and keeps the newest --keep-checkpoints."""
+    if not job.rank0:
+        return
+    state = {  # SECRET: the sampler's and the engine's states hold the sampling and noise keys
+        "format": CHECKPOINT_FORMAT, "complete": True, "step": step, "signature": job.signature,
+        "model": job.model.state_dict(), "optimizer": job.opt.state_dict(), "sampler": job.batches.state_dict(),
+        "engine": job.engine.state_dict(), "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if job.device.type == "cuda" else None,
+        "tokens": job.tokens_seen, "elapsed_s": job.elapsed_before + (time.time() - job.t_loop),
+    }
+    folder = checkpoint_dir(job.run_dir)
+    atomic_save(state, folder / f"ckpt-{step:08d}.pt")
+    for _, old in list_checkpoints(folder)[job.args.keep_checkpoints:]:
+        old.unlink(missing_ok=True)

@@ -1,0 +1,184 @@
+"""The training loop of ``longshield-fx train`` and its closing report.
+
+Per logical batch: accumulate this rank's physical batches, finalize (noise once, q from the
+sampler), step AdamW, write one metrics row, checkpoint every --save-every steps. Losses,
+timings and counts come from private data without noise: they go only under
+``not_covered_by_dp``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from .checkpoints import atomic_save, checkpoint_dir
+from .corpus import NOT_COVERED, PRIVACY_UNIT
+from .common import say
+from .train import Job, save_checkpoint
+
+
+def run_steps(job: Job) -> None:
+    """Every remaining logical batch of the sampler, with a progress bar on rank 0."""
+    from tqdm import tqdm
+
+    args = job.args
+    job.t_loop = time.time()
+    bar = tqdm(total=args.steps, initial=job.start_step, desc="train", disable=not job.rank0, unit="step",
+               dynamic_ncols=True, file=sys.stderr)
+    last_loss = None
+    with open(job.metrics_path, "a") if job.rank0 else open(os.devnull, "w") as metrics:
+        for logical in (job.batches if job.start_step < args.steps else []):
+            step = job.batches.step
+            row = _one_step(job, logical, step)
+            job.rows.append(row)
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            if args.save_every and (step % args.save_every == 0 or step == args.steps):
+                save_checkpoint(job, step)
+            loss = row[NOT_COVERED]["train_loss"]
+            last_loss = loss if loss is not None else last_loss
+            bar.set_postfix_str(f"ε={row['epsilon']:.2f} loss(not DP)={'-' if last_loss is None else f'{last_loss:.3f}'}",
+                                refresh=False)
+            bar.update()
+    bar.close()
+
+
+def _one_step(job: Job, logical, step: int) -> dict:
+    """One logical batch: accumulate, finalize, optimizer step; returns its metrics row."""
+    import torch.distributed as dist
+
+    engine, dp = job.engine, job.dp
+    physical = logical.physical
+    if dp > 1:  # each dp group takes every dp-th physical batch; an idle group runs a masked one
+        mine = physical[job.dp_rank::dp] or [(physical[0][0], torch.zeros_like(physical[0][1]))]
+    else:
+        mine = physical
+    nonfinite_before = engine.nonfinite_samples
+    # loss sum, predicted tokens, real tokens of this rank's real rows, non-finite samples (NOT covered by DP)
+    stats = torch.zeros(4, dtype=torch.float64)
+    for (ids, labels), mask in mine:
+        real = mask.bool()
+        loss_sum = engine.accumulate(ids.to(job.device), labels.to(job.device), mask=mask.to(job.device))
+        stats[0] += loss_sum.detach().double().cpu()
+        stats[1] += int((labels[real, 1:] != -100).sum())
+        stats[2] += int((labels[real] != -100).sum())
+    # cp ranks of a dp group count the same samples (norms are all-reduced over cp): sum over dp only
+    stats[3] = engine.nonfinite_samples - nonfinite_before
+    engine.finalize(logical)  # every dp rank, with the same logical batch: q and E[B] from the sampler
+    job.opt.step()
+    job.opt.zero_grad(set_to_none=True)
+    if dp > 1:
+        group = job.mesh["dp"].get_group()
+        device = job.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        stats = stats.to(device)
+        dist.all_reduce(stats, group=group)
+        stats = stats.cpu()
+    job.tokens_seen += int(stats[2])
+    elapsed = job.elapsed_before + time.time() - job.t_loop
+    loss = float(stats[0]) / float(stats[1]) if stats[1] > 0 else None
+    # elapsed_s too: each physical batch takes time, so per-step timings trace the batch sizes
+    private = {"train_loss": loss, "nonfinite_samples": int(stats[3]), "elapsed_s": round(elapsed, 3)}
+    if job.args.log_private_stats:
+        private.update(logical_batch_size=logical.size, tokens=job.tokens_seen,
+                       tokens_per_s=round(job.tokens_seen / max(elapsed, 1e-9), 1))
+    return {"step": step, "epsilon": engine.epsilon(job.delta), "delta": job.delta, "sigma": job.sigma,
+            NOT_COVERED: private}
+
+
+def plot_title(model_name: str, T: int, expected: float, sigma: float) -> str:
+    return (f"{model_name}, T={T}, E[B]={expected:g}, σ={sigma:.3g}\nε {PRIVACY_UNIT}\n"
+            "training loss: NOT covered by DP (no noise)")
+
+
+def _fmt_time(s: float) -> str:
+    return f"{int(s // 60)}m{s % 60:04.1f}s" if s >= 60 else f"{s:.1f}s"
+
+
+def _private(row: dict) -> dict:
+    return row.get(NOT_COVERED) or {}
+
+
+def _loss_summary(rows: list[dict]) -> tuple[dict, int, float, float]:
+    """(first/last losses and non-finite count, k, mean of the first k, mean of the last k)."""
+    losses = [_private(r)["train_loss"] for r in rows if _private(r).get("train_loss") is not None]
+    k = min(5, max(1, len(losses) // 2))
+    first = sum(losses[:k]) / k if losses else float("nan")
+    last = sum(losses[-k:]) / k if losses else float("nan")
+    out = {"train_loss_first": losses[0] if losses else None, "train_loss_last": losses[-1] if losses else None,
+           f"train_loss_first{k}_mean": first, f"train_loss_last{k}_mean": last,
+           "nonfinite_samples": sum(_private(r).get("nonfinite_samples", 0) for r in rows)}
+    return out, k, first, last
+
+
+def summary(job: Job, eps: float, loop: float, wall: float, startup: float) -> dict:
+    """summary.json: what ε covers at the top, everything from private data under not_covered_by_dp."""
+    args, done = job.args, max(1, job.args.steps - job.start_step)
+    private, _, _, _ = _loss_summary(job.rows)
+    c = job.corpus.stats()
+    private.update({
+        "wall_s": round(wall, 2), "s_per_step": round(loop / done, 4),  # timings trace the batch sizes
+        "corpus": {key: c[key] for key in ("truncated_documents", "bytes_used", "bytes_total", "bytes_used_fraction",
+                                           "skipped_files_under_2_bytes")},
+    })
+    if args.log_private_stats:
+        private["tokens"] = job.tokens_seen
+        private["tokens_per_s"] = job.rows[-1][NOT_COVERED].get("tokens_per_s") if job.rows else None
+    return {
+        "steps": args.steps, "resumed_from": job.start_step or None,
+        "privacy_unit": "document (add/remove one document)", "epsilon": eps, "delta": job.delta,
+        "delta_rule": "min(1e-5, N^-1.1)" if args.delta is None else "given", "accountant": args.accountant,
+        "target_epsilon": None if args.sigma is not None else args.target_epsilon, "sigma": job.sigma,
+        "sample_rate": job.q, "expected_batch_size": job.batches.expected_batch_size,
+        "max_grad_norm": args.max_grad_norm, "insecure_seed": args.insecure_seed,
+        "privacy_void": args.insecure_seed is not None, "init_seed": args.seed,
+        "corpus": {"documents": job.corpus.num_documents, "seq_len": args.seq_len, "max_files": args.max_files},
+        "startup_s": round(startup, 2), "parameters": sum(p.numel() for p in job.model.parameters()),
+        NOT_COVERED: private,
+    }
+
+
+def _write_outputs(job: Job, summary_: dict) -> str:
+    """Rank 0: final model, loss-vs-ε plot, summary.json; returns the list of written files."""
+    from ..tools.plots import loss_vs_epsilon
+
+    final = job.run_dir / "final_model.pt"
+    atomic_save(job.model.state_dict(), final)
+    png = loss_vs_epsilon([{"epsilon": r["epsilon"], "loss": _private(r).get("train_loss")} for r in job.rows],
+                          job.run_dir / "loss_vs_epsilon.png",
+                          title=plot_title(job.model_name, job.args.seq_len, job.batches.expected_batch_size,
+                                           job.sigma))
+    (job.run_dir / "summary.json").write_text(json.dumps(summary_, indent=1) + "\n")
+    return f"{job.metrics_path}, {png}, {final}"
+
+
+def finish(job: Job) -> int:
+    args = job.args
+    eps = job.engine.epsilon(job.delta)
+    wall, loop = time.time() - job.t_start, time.time() - job.t_loop
+    startup = job.t_loop - job.t_start
+    summary_ = summary(job, eps, loop, wall, startup)
+    written = _write_outputs(job, summary_) if job.rank0 else ""
+    _, k, first, last = _loss_summary(job.rows)
+    private = summary_[NOT_COVERED]
+    speed = f"{loop / max(1, args.steps - job.start_step):.2f} s/step (timings trace the batch sizes: NOT covered by DP)"
+    if args.log_private_stats and private.get("tokens_per_s") is not None:
+        speed += f", {private['tokens_per_s']:.0f} tokens/s (NOT covered by DP)"
+    say(f"done: {args.steps} steps in {_fmt_time(wall)} (startup {_fmt_time(startup)}, training {_fmt_time(loop)}), "
+        f"{speed}")
+    say(f"training loss/token (NOT covered by DP): {first:.3f} -> {last:.3f} (mean of the first/last {k} non-empty "
+        f"steps); non-finite per-sample gradients (NOT covered by DP): {private['nonfinite_samples']}")
+    budget = ""
+    if args.sigma is None:
+        budget = f" <= target {args.target_epsilon:g}" if eps <= args.target_epsilon else \
+            f" > target {args.target_epsilon:g}!"
+    say(f"privacy: ε = {eps:.3f} {PRIVACY_UNIT}, δ = {job.delta:.3g}, {args.accountant.upper()} accountant{budget} "
+        f"(σ = {job.sigma:.4g}, q = {job.q:.4g}, {args.steps} steps)"
+        + (f"; VOID: --insecure-seed {args.insecure_seed} made the noise and the sampling public"
+           if args.insecure_seed is not None else ""))
+    if job.rank0:
+        say(f"wrote {written}" + (f", checkpoints in {checkpoint_dir(job.run_dir)} (SECRET: noise and sampling keys)"
+                                  if args.save_every else ""))
+    return 0
