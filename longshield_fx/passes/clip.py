@@ -206,7 +206,7 @@ def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.N
     B, n = val(indices).shape
     scaled = b(aten.mul.Tensor, _mask_rows(b, keep, _fp32(b, values)), b(aten.view.default, factor, [B, 1] + [1] * len(row)))
     zeros = b(aten.zeros.default, [V, *row], dtype=torch.float32, device=val(values).device)
-    return b(aten.index_add.default, zeros, 0, b(aten.view.default, indices, [B * n]),
+    return b(aten.index_add.default, zeros, 0, b(aten.reshape.default, indices, [B * n]),
              b(aten.view.default, scaled, [B * n, *row]))
 
 

@@ -12,7 +12,7 @@ from longshield_fx.models.llama import RMSNorm
 import opacus
 from opacus.grad_sample import register_grad_sampler
 
-from oracles import MLP, logical, mlp_batch, tiny_llama, vmap_per_sample_grads
+from oracles import MLP, hf_gpt2, logical, mlp_batch, tiny_llama, vmap_per_sample_grads
 
 
 def clipped_sum(model, batch, C, clipping="flat", mask=None, engine=None, **config):
@@ -53,6 +53,21 @@ def test_flat_clipping_equals_opacus(make, tiny, tokens):
     theirs = opacus_clipped_sum(model, batch, C)
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_clipped_sum_with_rows_shared_by_every_sample_equals_per_sample_oracle():
+    """GPT-2's learned position embedding: its gradient rows have the same ids in every sample
+    (an expanded, stride-0 id tensor), which the sparse clipped sum must flatten by copy."""
+    model, C = hf_gpt2(), 0.05
+    batch = (torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(0)),) * 2
+    ours, engine = clipped_sum(model, batch, C)
+    assert engine.last_norms.gt(C).all(), "every sample must be clipped"
+    per_sample = vmap_per_sample_grads(model, batch)
+    norms = torch.sqrt(sum(g.double().pow(2).flatten(1).sum(1) for g in per_sample.values()))
+    factors = (C / (norms + 1e-6)).clamp(max=1.0).float()
+    for name, g in per_sample.items():
+        torch.testing.assert_close(ours[name], torch.einsum("b,b...->...", factors, g), atol=1e-6, rtol=1e-4,
+                                   msg=name)
 
 
 def per_sample_contributions(model, batch, C, clipping, engine):
