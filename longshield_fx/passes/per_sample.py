@@ -286,6 +286,8 @@ def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     if batch_dim(indices) is not None:
         ids, _ = rw.unfold(indices)
         ids = rw.call(aten.view.default, ids, [B, n])
+    elif val(indices).numel() == B * n:  # ids shared by the samples but laid out per row (OPT's positions)
+        ids = rw.call(aten.reshape.default, indices, [B, n])
     else:
         ids = rw.call(aten.expand.default, rw.call(aten.view.default, indices, [1, n]), [B, n])
     if padding_idx is not None and padding_idx >= 0:

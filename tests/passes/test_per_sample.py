@@ -46,6 +46,19 @@ def test_hf_gpt2_layernorm_bias_positions_tied():
     assert_matches_vmap(model, token_batch(vocab=128))
 
 
+def test_hf_opt_positions_shared_by_samples_but_laid_out_per_row():
+    """OPT computes position ids as cumsum of an all-ones mask: (B, T) ids that hold no sample's
+    data, which the embedding rule must pair row by row with the (B, T) gradient rows."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2,
+                                 vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0,
+                                 attention_dropout=0.0, attn_implementation="sdpa")
+    model = lf.CausalLMLoss(transformers.OPTForCausalLM(cfg))
+    ours = assert_matches_vmap(model, token_batch(vocab=128))
+    assert ours["lm.model.decoder.embed_positions.weight"].abs().sum() > 0
+
+
 def test_frozen_parameters_get_no_per_sample_work(tiny, tokens):
     model = tiny
     model.lm.tok_embeddings.requires_grad_(False)
