@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterable
 
 import torch.fx as fx
@@ -92,11 +93,11 @@ class Lowered:
     def passes(self) -> list[str]:
         return [r.name for r in self.log]
 
-    @property
+    @cached_property  # the graph is not rewritten after lowering
     def rules(self) -> dict[str, str]:
         return {n: self.ctx.param_meta(n).get(PER_SAMPLE_RULE, "?") for n in self.captured.param_names}
 
-    @property
+    @cached_property  # read by every finalize
     def shard_dims(self) -> dict[str, int | None]:
         return {n: self.ctx.param_meta(n).get(CP_SHARD_DIM) for n in self.captured.param_names}
 

@@ -23,7 +23,6 @@ Hardware parameters (per rank):
 """
 from __future__ import annotations
 
-import importlib
 import operator
 from dataclasses import dataclass, field
 
@@ -31,9 +30,9 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from .. import ops  # noqa: F401  (registers longshield::ring_attention, counted below)
 from .._torch import COLLECTIVES, c10d
-
-importlib.import_module("longshield_fx.ops")  # registers longshield::ring_attention, counted below
+from ..passes._graph import nbytes
 aten = torch.ops.aten
 
 
@@ -131,12 +130,6 @@ def node_flops(gm: fx.GraphModule) -> dict[fx.Node, int]:
             if env[node] is None:
                 env[node] = out
     return counts
-
-
-def nbytes(node) -> int:
-    """Bytes of the tensor a node produces (0 for non-tensors), from its fake value."""
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
 def compute_time(node: fx.Node, hw: Hardware, flops: int) -> float:

@@ -29,6 +29,8 @@ from typing import Iterable
 
 import torch
 
+from ..passes._graph import nbytes
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -115,11 +117,8 @@ def _timeline(lowered, T: int, elapsed: float) -> Capture:
 
     gm, captured = lowered.gm, lowered.captured
     est = estimate_memory(gm)
-    batch_bytes = 0
-    for node, (kind, _) in zip(captured.placeholders, captured.inputs):
-        v = node.meta.get("val")
-        if kind in ("input", "cotangent") and isinstance(v, torch.Tensor):
-            batch_bytes += v.numel() * v.element_size()
+    batch_bytes = sum(nbytes(node) for node, (kind, _) in zip(captured.placeholders, captured.inputs)
+                      if kind in ("input", "cotangent"))
     nodes = list(gm.graph.nodes)
     ops = "\n".join(f"{n.op}:{n.target}" for n in nodes)
     return Capture(T, list(est.timeline), [n.name for n in nodes],
