@@ -7,6 +7,9 @@ a ``torch._*`` module or ``torch.testing._internal``.
 private API                                                        why
 =================================================================  ======================================
 ``torch._dynamo.functional_export.dynamo_graph_capture_for_export``  capture with module metadata kept
+``torch._dynamo.convert_frame.get_traced_fn``, ``._get_frame``       dynamo's guards of a capture (its
+``torch._dynamo.hooks.Hooks``, ``torch._dynamo.utils`` metrics       ``CaptureOutput``): built once,
+``torch._export.utils._compiling_state_context``                     checked before each run (DynamoGuards)
 ``torch._functorch.aot_autograd.aot_export_joint_with_descriptors``  the joint forward+backward graph
 ``torch._functorch._aot_autograd.descriptors``                       which graph input/output is what
 ``torch._dynamo.config.patch``, ``torch._guards.tracing``            static shapes; the tracing context
@@ -15,11 +18,15 @@ private API                                                        why
 ``torch.ops._c10d_functional``                                       functional collectives in graphs
 ``torch.testing._internal.distributed.fake_pg``                      registers the "fake" process group
 ``torch.distributed.distributed_c10d._resolve_process_group``        a graph's group name -> its group
+``torch.distributed.tensor._op_schema``, ``._dtensor_spec``,          how an op without a hand batch rule
+``DTensor._op_dispatcher.sharding_propagator``                       carries the batch (batch_dims)
 =================================================================  ======================================
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -28,8 +35,8 @@ from torch._functorch._aot_autograd import descriptors  # noqa: F401  (re-export
 from torch._ops import OpOverload  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (re-exported)
 
-__all__ = ["COLLECTIVES", "FakeTensorMode", "OpOverload", "c10d", "descriptors", "export_joint", "fake_world",
-           "resolve_process_group"]
+__all__ = ["BatchArg", "COLLECTIVES", "GUARDS", "DynamoGuards", "FakeTensorMode", "OpOverload", "c10d", "descriptors",
+           "dtensor_batch_dims", "export_joint", "fake_world", "resolve_process_group"]
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = {c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.all_gather_into_tensor.default}
@@ -40,12 +47,21 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
+GUARDS = "dynamo_guards"  # the ``meta`` key of ``export_joint``'s graph that holds its ``DynamoGuards``
+
+
+class CaptureError(Exception):
+    """Dynamo could not trace the model's forward into one graph (a graph break, a
+    data-dependent shape, an unsupported Python construct)."""
+
+
 def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.GraphModule, object]:
     """The aot-autograd joint graph of ``model(*example_batch)`` and its fake mode.
 
     Dynamo keeps ``nn_module_stack`` (forward) / ``fwd_nn_module_stack`` (backward) on nodes.
     Shapes are static: a second capture of the same code with another batch size would
-    otherwise turn sizes symbolic (dynamo's automatic dynamic shapes).
+    otherwise turn sizes symbolic (dynamo's automatic dynamic shapes). Dynamo's guards of
+    this capture are on ``graph.meta[GUARDS]`` (a ``DynamoGuards``).
     """
     from torch._dynamo.functional_export import dynamo_graph_capture_for_export
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
@@ -53,11 +69,60 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
 
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
             fx_traceback.preserve_node_meta():
-        dynamo_gm = dynamo_graph_capture_for_export(model)(*example_batch)
+        try:
+            dynamo_gm = dynamo_graph_capture_for_export(model)(*example_batch)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            raise CaptureError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
+    guards = DynamoGuards.build(dynamo_gm, model)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._guards.tracing(dynamo_gm.meta["tracing_context"]))
         joint = aot_export_joint_with_descriptors(stack, dynamo_gm, tuple(example_batch))
+    joint.graph_module.meta[GUARDS] = guards
     return joint.graph_module, joint.fake_mode
+
+
+class DynamoGuards:
+    """What dynamo's trace of a capture assumed beyond tensor values: the attributes, config
+    values, globals and closures the forward read, grad mode and other global torch state,
+    and the batch tensors' metadata. ``failure(model, batch)`` says whether the same capture
+    would still trace the same graph, in microseconds (dynamo's C++ guard manager).
+
+    Guards on the model's parameters and buffers are left out: the capture may run on a
+    cast copy of the model (``compute_dtype``), whose dtypes the live model never has, and
+    the engine checks the live parameters itself.
+    """
+
+    def __init__(self, manager):
+        self._manager = manager
+
+    @classmethod
+    def build(cls, dynamo_gm: fx.GraphModule, model: torch.nn.Module) -> "DynamoGuards":
+        from torch._dynamo.convert_frame import get_traced_fn
+        from torch._dynamo.hooks import Hooks
+        from torch._dynamo.utils import dynamo_timed, get_metrics_context
+        from torch._export.utils import _compiling_state_context
+
+        state = {id(t) for t in (*model.parameters(), *model.buffers())}
+
+        def keep(entries):
+            return [not (e.guard_type == "TENSOR_MATCH" and e.has_value and id(e.value) in state) for e in entries]
+
+        # dynamo_graph_capture_for_export builds no guards; its CaptureOutput rides on the graph.
+        out = dynamo_gm._dynamo_bytecode_flatten.out
+        with _compiling_state_context(), get_metrics_context(), dynamo_timed("longshield_build_guards"):
+            manager = out.graph_capture_output.build_guards(get_traced_fn(model)[0].__code__,
+                                                            hooks=Hooks(guard_filter_fn=keep))
+        return cls(manager.guard_manager)
+
+    def failure(self, model: torch.nn.Module, batch: tuple) -> str | None:
+        """None if every guard holds for ``model(*batch)``, else the first failing guard in words."""
+        from torch._dynamo.convert_frame import _get_frame
+
+        f_locals = _get_frame(model, tuple(batch)).locals
+        if self._manager.check(f_locals):
+            return None
+        parts = self._manager.check_verbose(f_locals).verbose_code_parts
+        return parts[0] if parts else "a dynamo guard failed"
 
 
 @contextlib.contextmanager
@@ -76,3 +141,66 @@ def fake_world(cp: int, dp: int = 1):
             yield init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
     finally:
         dist.destroy_process_group()
+
+
+# --- DTensor's sharding propagation, asked how an op carries the batch dimension ------------------
+
+@dataclasses.dataclass(frozen=True)
+class BatchArg:
+    """A tensor argument for ``dtensor_batch_dims``: its (fake) value and its batch dim or None."""
+
+    value: torch.Tensor
+    dim: int | None
+
+
+@functools.lru_cache(maxsize=None)
+def _batch_mesh(rows: int):
+    from torch.distributed.device_mesh import DeviceMesh
+    # One mesh coordinate per sample; no process group is created or needed.
+    return DeviceMesh("cpu", torch.arange(rows), _init_backend=False, _rank=0)
+
+
+def dtensor_batch_dims(op, args, kwargs, B: int):
+    """How DTensor's sharding rules carry the batch: every ``BatchArg`` with a dim is sharded
+    along it over a mesh of B coordinates, the others replicated. Returns, per output, None
+    (not a tensor), ``("shard", dim)``, ``("partial",)`` or ``("replicate",)`` as a tuple
+    (a single entry for a single output); ``"redistribute"`` when DTensor would first move a
+    sharded input's data between coordinates (cutting a replicated input into shards is local
+    and allowed); None when DTensor has no rule for the op."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    mesh = _batch_mesh(B)
+
+    def spec(x):
+        if not isinstance(x, BatchArg):
+            return x
+        placement = Replicate() if x.dim is None else Shard(x.dim)
+        return DTensorSpec(mesh, (placement,), TensorMeta(x.value.shape, x.value.stride(), x.value.dtype))
+
+    is_arg = lambda x: isinstance(x, BatchArg)  # noqa: E731
+    schema_args = torch.utils._pytree.tree_map(spec, args, is_leaf=is_arg)
+    schema_kwargs = torch.utils._pytree.tree_map(spec, kwargs, is_leaf=is_arg)
+    schema = OpSchema(op, tuple(schema_args), schema_kwargs)
+    try:
+        # Not the cached entry point: its key leaves out non-tensor arguments (a dim) unless the
+        # op's registration lists them, so logcumsumexp over dim 1 would answer for dim 0.
+        out = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached(schema)
+    except Exception:  # DTensor has no strategy for this op or these arguments
+        return None
+    if out.needs_redistribute:
+        # Slicing a replicated input into shards is local; moving a sharded one is not.
+        for before, after in zip(schema.args_spec, out.redistribute_schema.args_spec):
+            if before.placements != after.placements and not (
+                    before.placements[0].is_replicate() and after.placements[0].is_shard()):
+                return "redistribute"
+
+    def placement(s):
+        if not isinstance(s, DTensorSpec):
+            return None
+        p = s.placements[0]
+        return ("shard", p.dim) if p.is_shard() else ("partial",) if p.is_partial() else ("replicate",)
+
+    specs = out.output_spec
+    return tuple(placement(s) for s in (specs if isinstance(specs, (tuple, list)) else (specs,)))

@@ -12,13 +12,17 @@ APIs, called through ``longshield_fx._torch``).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 from torch import nn
 
-from ._torch import descriptors as d, export_joint
+from ._torch import CaptureError, descriptors as d, export_joint
 from .errors import UnsupportedModelError
+
+aten = torch.ops.aten
 
 
 @dataclass
@@ -46,6 +50,18 @@ class CapturedGraph:
     def param_placeholder(self, name: str) -> fx.Node:
         return next(p for p, (kind, key) in zip(self.placeholders, self.inputs) if kind == "param" and key == name)
 
+    def copy(self) -> "CapturedGraph":
+        """A copy whose graph the passes may rewrite without touching this one (nodes are
+        new; their ``meta`` dicts are copies sharing the fake values)."""
+        graph = fx.Graph()
+        graph._codegen = self.gm.graph._codegen
+        env: dict[fx.Node, fx.Node] = {}
+        graph.output(graph.graph_copy(self.gm.graph, env))
+        gm = fx.GraphModule(self.gm, graph)
+        gm.meta.update(self.gm.meta)
+        return CapturedGraph(gm, self.fake_mode, list(self.inputs), list(self.param_names),
+                             {n: env[g] for n, g in self.grad_nodes.items() if g in env}, list(self.mutations))
+
     def gather_args(self, model: nn.Module, batch, cotangent, *, dtype=None) -> list:
         """The flat argument list for ``gm`` from the live model and a batch."""
         args = []
@@ -72,11 +88,24 @@ def capture(model: nn.Module, example_batch: tuple) -> CapturedGraph:
     # Frozen parameters become plain inputs of the joint graph; toggling requires_grad
     # on the live model is avoided: we only read it.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    gm, fake_mode = export_joint(model, example_batch)
-    return _flatten(gm, fake_mode, trainable)
+    try:
+        gm, fake_mode = export_joint(model, example_batch)
+    except CaptureError as e:
+        raise UnsupportedModelError(
+            f"capture: the forward cannot be traced into one graph ({e}). Way out: make the forward "
+            "traceable without graph breaks (torch.compile(fullgraph=True) shows the same error); "
+            "for Hugging Face MoE models pass experts_implementation='batched_mm'") from e
+    return _flatten(gm, fake_mode, trainable, _aliases(model))
 
 
-def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str]) -> CapturedGraph:
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Every name of a parameter (tied weights have several) -> the name ``named_parameters``
+    gives it. The export may hand a tied weight's gradient to any of its names."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str], aliases: dict[str, str]) -> CapturedGraph:
     """Give the joint graph flat inputs and outputs ``(loss, *grads)``."""
     BufferAOTInput, GradAOTOutput, ParamAOTInput = d.BufferAOTInput, d.GradAOTOutput, d.ParamAOTInput
     PlainAOTInput, PlainAOTOutput, TangentAOTInput = d.PlainAOTInput, d.PlainAOTOutput, d.TangentAOTInput
@@ -86,7 +115,7 @@ def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str]) -> CapturedGrap
     for ph in graph.find_nodes(op="placeholder"):
         desc = ph.meta.get("desc")
         if isinstance(desc, ParamAOTInput):
-            inputs.append(("param", desc.target))
+            inputs.append(("param", aliases.get(desc.target, desc.target)))
         elif isinstance(desc, BufferAOTInput):
             inputs.append(("buffer", desc.target))
         elif isinstance(desc, PlainAOTInput):
@@ -105,22 +134,50 @@ def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str]) -> CapturedGrap
     loss, grads, mutated = None, {}, []
     for out, desc in zip(outs, descs):
         if isinstance(desc, GradAOTOutput) and isinstance(desc.grad_of, ParamAOTInput):
-            if desc.grad_of.target in trainable and out is not None:
-                grads[desc.grad_of.target] = out
+            name = aliases.get(desc.grad_of.target, desc.grad_of.target)
+            if name in trainable and out is not None:
+                if name in grads:  # a tied weight whose names each got a share
+                    with graph.inserting_before(output):
+                        out = graph.call_function(aten.add.Tensor, (grads[name], out))
+                    out.meta.update(val=grads[name].meta["val"], partitioner_tag="is_backward")
+                grads[name] = out
         elif isinstance(desc, PlainAOTOutput):
             loss = out
         elif desc is not None and not isinstance(desc, GradAOTOutput):
             mutated.append(str(desc))
-    param_names = [key for kind, key in inputs if kind == "param" and key in trainable]
-    missing = [n for n in param_names if n not in grads]
-    if missing:
-        raise UnsupportedModelError(
-            f"capture: trainable parameters {missing} get no gradient from the loss; "
-            "freeze them (requires_grad=False) or use them in the forward")
+    param_names = [n for n in dict.fromkeys(key for kind, key in inputs if kind == "param") if n in trainable]
+    unused = [n for n in param_names if n not in grads]
+    if unused:
+        warnings.warn(
+            f"trainable parameters {unused} get no gradient from the loss (e.g. cross-attention without an "
+            "encoder): their per-sample gradients are 0, so DP-SGD moves them by noise alone. Freeze them "
+            "(requires_grad=False) to keep them as they are", UserWarning, stacklevel=4)
+        placeholders = {key: ph for ph, (kind, key) in zip(graph.find_nodes(op="placeholder"), inputs)
+                        if kind == "param"}
+        for name in unused:
+            with graph.inserting_before(output):
+                grads[name] = graph.call_function(aten.zeros_like.default, (placeholders[name],))
+            with fake_mode:
+                grads[name].meta.update(val=torch.zeros_like(placeholders[name].meta["val"]),
+                                        partitioner_tag="is_backward")
     # Frozen parameters: the aot export already gives them no gradient (None output).
     graph._codegen = fx.graph.CodeGen()
+    _reshape_where_meta_strides_differ(graph)
     output.args = ((loss, *[grads[n] for n in param_names]),)
     output.meta.pop("desc", None)
     graph.eliminate_dead_code()
     gm.recompile()
     return CapturedGraph(gm, fake_mode, inputs, param_names, dict(grads), mutated)
+
+
+# Activation backwards whose meta kernels (torch 2.13) report contiguous outputs while the CPU
+# kernels keep the layout of a non-contiguous grad_output, so an exported ``view`` of their
+# result fails at run time.
+_STRIDE_MISMATCH = {getattr(aten, f"{name}_backward").default for name in ("softplus",)}
+
+
+def _reshape_where_meta_strides_differ(graph: fx.Graph) -> None:
+    """``view`` -> ``reshape`` on those outputs: the same values, a copy only where needed."""
+    for node in graph.nodes:
+        if node.target is aten.view.default and getattr(node.args[0], "target", None) in _STRIDE_MISMATCH:
+            node.target = aten.reshape.default

@@ -81,6 +81,9 @@ def permutation(node: fx.Node) -> list[int]:
 
 _POINTWISE_EXTRA = {aten._to_copy.default, aten.detach.default, aten.alias.default,
                     aten.copy.default, aten.lift_fresh_copy.default, aten.contiguous.default}
+# Elementwise activation backwards that aten does not tag pointwise.
+_POINTWISE_EXTRA |= {getattr(aten, f"{name}_backward").default for name in (
+    "softplus", "gelu", "silu", "elu", "leaky_relu", "hardtanh", "hardswish", "hardsigmoid", "mish", "logit")}
 
 
 def is_pointwise(op) -> bool:

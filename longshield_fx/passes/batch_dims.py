@@ -15,6 +15,16 @@ on aten ops (never on module names). An op whose rule does not say which dimensi
 untagged inputs line up with the batch (``aligned=`` of ``register_batch_rule``) is checked
 on every untagged dimension of the batch's size.
 
+Where the rules come from. Pointwise ops: aten's ``pointwise`` tag (one broadcasting rule).
+Views, reductions, matmuls, attention kernels, norms, indexing: hand rules (``batch_rules``,
+``batch_rules_indexing``), because they track what DTensor cannot express: a batch folded
+with other dims (B*T rows, ``inner``), the backward's weight-gradient reductions, and whether
+an untagged input varies along the batch. Every other aten op: DTensor's sharding
+propagation (``dtensor_rule``), the batch as a Shard over a mesh of one coordinate per
+sample; its rules are maintained for distributed correctness, which is exactly "each
+sample's rows are computed from that sample's rows". Still needing a hand rule: ops DTensor
+has no strategy for (refused by name, ``register_batch_rule`` adds one).
+
 Guarantees: in the forward, no op combines rows of different samples; otherwise
 ``UnsupportedModelError`` names the op and the module it came from. In the backward, a
 reduction over the batch dimension is allowed and tagged ``None``: those are the
@@ -36,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .._torch import BatchArg, OpOverload, dtensor_batch_dims
 from ..errors import UnsupportedModelError
 from ._context import PassContext
 from ._graph import is_backward, is_pointwise, module_of, val
@@ -168,6 +179,8 @@ _MIXING = {
     aten._native_batch_norm_legit_functional.default: "batch norm normalises with statistics over the batch",
     aten._native_batch_norm_legit_no_training.default: "batch norm uses batch statistics",
     aten.native_batch_norm.default: "batch norm normalises with statistics over the batch",
+    aten.histc.default: "a histogram counts the entries of every sample together",
+    aten.bincount.default: "counts the entries of every sample together",
 }
 
 
@@ -180,7 +193,38 @@ def _rule_for(op):
         return mixing
     if is_pointwise(op):
         return pointwise_rule
-    return None
+    return dtensor_rule if isinstance(op, OpOverload) else None
+
+
+def dtensor_rule(node: fx.Node, B: int):
+    """For an op without a hand rule, DTensor's sharding propagation decides: the batched
+    inputs sharded along their batch dims over a mesh of B coordinates (one sample each), the
+    others replicated. An output DTensor can compute locally, still sharded, keeps each sample's
+    rows apart; one that would need data moved between coordinates first, or comes out as a
+    partial sum, combines samples."""
+    def arg(a):
+        v = val(a)
+        if v is None:
+            return a.meta.get("val") if isinstance(a, fx.Node) else a
+        tag = batch_dim(a)
+        return BatchArg(v, None if tag is None else tag.dim)
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
+    placements = dtensor_batch_dims(node.target, args, kwargs, B)
+    if placements is None:
+        no_rule(node)
+    if placements == "redistribute":
+        raise Mixing("DTensor's sharding rules cannot run it on each sample's rows alone")
+    outs = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+    tags = []
+    for out, placement in zip(outs, placements):
+        if placement is None or placement[0] == "replicate":
+            tags.append(None)  # not a tensor, or computed from shapes and shared inputs only
+        elif placement[0] == "partial":
+            raise Mixing("it sums over the batch dimension")
+        else:
+            tags.append(BatchDim(placement[1], out.shape[placement[1]] // B))
+    return tuple(tags) if isinstance(node.meta["val"], (tuple, list)) else tags[0]
 
 
 def _aligned_for(op):

@@ -138,12 +138,28 @@ def _cat(node, B):
     tags = set()
     for t in tensors:
         tag = batch_dim(t)
-        if tag is None:
-            raise Mixing("concatenates per-sample data with data shared by all samples")
-        tags.add(tag)
+        if tag is not None:
+            tags.add(tag)
     if len(tags) != 1 or dim == next(iter(tags)).dim:
         raise Mixing("concatenates along the batch dimension")
-    return tags.pop()
+    tag = tags.pop()
+    for t in tensors:
+        if batch_dim(t) is None and tuple(val(t).shape) != (0,):  # cat skips 1-D empties (an empty KV cache)
+            if val(t).dim() != rank or val(t).shape[tag.dim] != val(node).shape[tag.dim]:
+                raise Mixing("concatenates per-sample data with data shared by all samples")
+    # Shared rows expanded over the batch (attention sinks, memory tokens) join every sample
+    # alike; that they do not vary along the batch is checked like any untagged input.
+    return tag
+
+
+@register_batch_rule(aten.repeat.default)
+def _repeat(node, B):
+    tag = batch_dim(node.args[0])
+    sizes = node.args[1]
+    dim = tag.dim + len(sizes) - val(node.args[0]).dim()
+    if sizes[dim] != 1:
+        raise RowPosition("it repeats rows along the batch dimension, so rows hold other rows' records")
+    return BatchDim(dim, tag.inner)
 
 
 @register_batch_rule(*REDUCTIONS)
@@ -227,6 +243,21 @@ def _addmm(node, B):
 @register_batch_rule(aten.bmm.default, aligned=_contraction_aligned("bmk", "bkn", "bmn"))
 def _bmm(node, B):
     return _contraction("bmk", "bkn", "bmn", node.args[0], node.args[1])
+
+
+def _baddbmm_aligned(node, tag, B):
+    bias = [a for a in broadcast_aligned(node, tag, B) if a[0] is node.args[0]]
+    return bias + _contraction_aligned("bmk", "bkn", "bmn", first=1)(node, tag, B)
+
+
+@register_batch_rule(aten.baddbmm.default, aligned=_baddbmm_aligned)
+def _baddbmm(node, B):
+    """beta * self + alpha * (b1 @ b2): a batched matmul plus a bias (Bloom's ALiBi)."""
+    tag = _contraction("bmk", "bkn", "bmn", node.args[1], node.args[2])
+    bias = batch_dim(node.args[0])
+    if bias is not None and BatchDim(val(node).dim() - val(node.args[0]).dim() + bias.dim, bias.inner) != tag:
+        raise Mixing("adds a bias holding samples in another dimension")
+    return tag
 
 
 @register_batch_rule(aten.embedding.default, aligned=weights_only)
@@ -327,51 +358,12 @@ def _convolution_backward(node, B):
     return (batch_dim(node.args[1]), None, None)  # weight and bias grads reduce over the batch
 
 
-# Ops that move entries along a dimension. Along the batch dimension they put a record in
-# another row (or several rows, or none), so its loss depends on where the sampler put it.
-_MOVES_ROWS = "it moves rows along the batch dimension, so row i holds the record of another row"
-
-
-@register_batch_rule(aten.index_select.default, aligned=weights_only)
-def _index_select(node, B):
+@register_batch_rule(aten.native_dropout.default)
+def _dropout(node, B):
+    """Each element gets its own random keep/drop draw, so samples stay apart. The draws come
+    from the model's generator (torch's default), never from the DP noise stream."""
     tag = batch_dim(node.args[0])
-    if tag is None or batch_dim(node.args[2]) is not None:
-        raise Mixing("indexes along the batch dimension")
-    if norm_dim(node.args[1], val(node).dim()) == tag.dim:
-        raise RowPosition(_MOVES_ROWS)
-    return tag
+    return (tag, tag)  # output and keep-mask
 
 
-@register_batch_rule(aten.flip.default, aten.roll.default)
-def _flip_roll(node, B):
-    tag = batch_dim(node.args[0])
-    rank = val(node).dim()
-    if node.target == aten.flip.default:
-        dims = node.args[1]
-    else:
-        dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
-    if not dims or tag.dim in [norm_dim(d, rank) for d in dims]:  # roll without dims rolls the flattened tensor
-        raise RowPosition(_MOVES_ROWS)
-    return tag
-
-
-@register_batch_rule(aten.index.Tensor, aten.gather.default)
-def _index_rows(node, B):
-    """Refused along the batch dimension; along other dims there are no rules for their backward."""
-    tag = batch_dim(node.args[0])
-    if tag is not None:
-        if node.target == aten.gather.default:
-            moves = norm_dim(node.args[1], val(node).dim()) == tag.dim
-        else:
-            moves = tag.dim < len(node.args[1]) and node.args[1][tag.dim] is not None
-        if moves:
-            raise RowPosition(_MOVES_ROWS)
-    no_rule(node)
-
-
-@register_batch_rule(aten.take.default)
-def _take(node, B):
-    if batch_dim(node.args[0]) is not None:
-        raise RowPosition("it reads the per-sample tensor as one flat list, so an output entry comes from "
-                           "whichever row the index names")
-    no_rule(node)
+register_batch_rule(aten.native_dropout_backward.default)(lambda node, B: batch_dim(node.args[0]))

@@ -16,10 +16,13 @@ outside the region reads (the block's output, i.e. the next block's input) and, 
 Checkpoint++), so attention (and its ring communication under cp) is not recomputed.
 With ``"block"`` ring attention is recomputed with its communication.
 
-Assumes: forward nodes carry ``partitioner_tag == "is_forward"`` and module stacks; no
-random ops inside regions (dropout would recompute differently; refused).
+Random ops (dropout) are kept with their masks, never recomputed: a recomputation would
+draw another mask, so the backward would differentiate a different function.
+
+Assumes: forward nodes carry ``partitioner_tag == "is_forward"`` and module stacks; the
+only random op inside regions is ``native_dropout`` (any other impure op is refused).
 Guarantees: the same values as without the pass (the copies compute the same ops on the
-same inputs); the graph stays topologically ordered.
+same inputs, random draws are not repeated); the graph stays topologically ordered.
 """
 from __future__ import annotations
 
@@ -64,8 +67,11 @@ def checkpoint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if policy == "selective" and _is_attention(node):
             keep.add(node)
             keep.update(node.users)  # its getitems: out and lse
-        if node.is_impure() and not _is_attention(node):
-            raise UnsupportedModelError(f"checkpoint: {node.target} ({node.name}) in {r} is random or impure; "
+        if _is_random(node):
+            keep.add(node)  # recomputed, it would draw another mask
+            keep.update(node.users)
+        elif node.is_impure() and not _is_attention(node):
+            raise UnsupportedModelError(f"checkpoint: {node.target} ({node.name}) in {r} is impure; "
                                         "recomputing it would change the result")
     recompute = {n for n in region if n not in keep}
     copies: dict[fx.Node, fx.Node] = {}
@@ -99,6 +105,18 @@ def checkpoint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _is_random(node: fx.Node) -> bool:
+    """Dropout, alone or inside a fused attention kernel (its dropout_p argument)."""
+    if node.target is aten.native_dropout.default:
+        return True
+    if node.target in FUSED_ATTENTION:
+        schema = node.target._schema
+        dropout = next(i for i, a in enumerate(schema.arguments) if a.name == "dropout_p")
+        p = node.args[dropout] if dropout < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+        return p > 0
+    return False
 
 
 def _is_attention(node: fx.Node) -> bool:

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..errors import UnsupportedModelError
 from ._context import PER_SAMPLE_GRAD, PER_SAMPLE_RULE, PassContext
-from ._graph import GraphBuilder, module_of, permutation, val
+from ._graph import GraphBuilder, is_pointwise, module_of, permutation, val
 from .batch_dims import BatchDim, batch_dim
 
 aten = torch.ops.aten
@@ -58,7 +58,7 @@ class Rewriter:
         self.graph = gm.graph
         self.B = ctx.batch_size
         self.call = GraphBuilder(gm.graph, ctx.captured.fake_mode)
-        self._memo: dict[fx.Node, PerSampleGrad] = {}
+        self._memo: dict[fx.Node, tuple[PerSampleGrad, set[str]]] = {}  # piece -> (its form, rules used)
         self.param = ""
         self.rules: set[str] = set()
         self.batch_derived = _batch_derived(gm.graph)
@@ -73,6 +73,12 @@ class Rewriter:
         out = self.call(aten.view.default, x, list(shape))
         out.meta["per_sample"] = True
         return out
+
+    def rows(self, x: fx.Node, shape) -> fx.Node:
+        """``x`` as contiguous sparse-row ids or values of ``shape`` (later flattened by views)."""
+        if not val(x).is_contiguous():
+            x = self.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+        return x if list(val(x).shape) == list(shape) else self.call(aten.view.default, x, list(shape))
 
     def permute(self, x: fx.Node, perm) -> fx.Node:
         """permute, composing with a permute we made and skipping the identity."""
@@ -121,7 +127,9 @@ class Rewriter:
     def rep(self, node: fx.Node) -> PerSampleGrad:
         """The per-sample form of an unbatched, batch-derived node (a gradient piece)."""
         if node in self._memo:
-            return self._memo[node]
+            out, rules = self._memo[node]
+            self.rules |= rules  # a piece shared with another parameter (a joined weight)
+            return out
         if node not in self.batch_derived:
             raise UnsupportedModelError(
                 f"parameter {self.param!r}: its gradient combines per-sample data with a constant at "
@@ -130,17 +138,19 @@ class Rewriter:
         key = node.target
         if key is operator.getitem:
             key = (node.args[0].target, node.args[1])
-        rule = _RULES.get(key) or _RULES.get(node.target)
+        rule = _RULES.get(key) or _RULES.get(node.target) or _linear_in_grad_output(self, node)
         if rule is None:
             op = f"output {key[1]} of {key[0]}" if isinstance(key, tuple) else str(key)
             raise UnsupportedModelError(
                 f"parameter {self.param!r}: no per-sample rule for {op} (node {node.name}, "
                 f"from {module_of(node)}) on the path to its gradient. Way out: freeze the parameter "
                 "(requires_grad=False) or register a rule with @longshield_fx.per_sample_rule(op).")
+        outer, self.rules = self.rules, set()
         with self.graph.inserting_before(node):
             out = rule(self, node)
         self.rules.add(getattr(rule, "rule_name", rule.__name__.strip("_")))
-        self._memo[node] = out
+        self._memo[node] = (out, self.rules)
+        self.rules = outer | self.rules
         return out
 
     def add(self, a: PerSampleGrad, b: PerSampleGrad) -> PerSampleGrad:
@@ -209,32 +219,42 @@ def _input_rep(rw: Rewriter, node: fx.Node, x: fx.Node) -> fx.Node:
     return rw.densify(rw.rep(x))
 
 
-@per_sample_rule(aten.mm.default, name="linear")
-def _mm(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
-    a, b = node.args
-    if batch_dim(a) is None and batch_dim(b) is None:  # a piece already reduced upstream
-        if a in rw.batch_derived and b not in rw.batch_derived:
-            x = _input_rep(rw, node, a)  # (B, m, k) @ (k, n)
-            return _dense(rw, node, rw.call(aten.matmul.default, x, b))
-        if b in rw.batch_derived and a not in rw.batch_derived:
-            return _dense(rw, node, rw.call(aten.matmul.default, a, _input_rep(rw, node, b)))
-        raise UnsupportedModelError(f"parameter {rw.param!r}: product of two gradient pieces at {node.name}")
-    operands = []
-    for x, labels in ((a, "mk"), (b, "kn")):
-        if x.target == aten.t.default and batch_dim(x.args[0]) is not None:
-            x, labels = x.args[0], labels[::-1]
-        if batch_dim(x) is None:
-            raise UnsupportedModelError(
-                f"parameter {rw.param!r}: {node.name} contracts per-sample data with shared data")
-        tag = batch_dim(x)
-        if labels[tag.dim] != "k":
-            raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} keeps the batch in an output dim")
-        xu, _ = rw.unfold(x)
-        batch_labels = "b" + labels[: tag.dim] + ("t" if tag.inner != 1 else "") + labels[tag.dim + 1:]
-        operands.append((xu, batch_labels))
-    (xa, la), (xb, lb) = operands
-    out = rw.call(aten.einsum.default, f"{la},{lb}->bmn", [xa, xb])
-    return _dense(rw, node, out)
+def _contraction(labels_a: str, labels_b: str, labels_out: str):
+    """The rule for a matmul whose contracted dim ``k`` holds the folded batch (B*T rows):
+    the same contraction as an einsum that keeps ``b``. ``mm`` is "mk,kn->mn"; ``bmm`` with
+    a leading group dim (grouped linear layers) "gmk,gkn->gmn"."""
+
+    def rule(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+        a, b = node.args
+        if batch_dim(a) is None and batch_dim(b) is None:  # a piece already reduced upstream
+            if a in rw.batch_derived and b not in rw.batch_derived:
+                return _dense(rw, node, rw.call(aten.matmul.default, _input_rep(rw, node, a), b))
+            if b in rw.batch_derived and a not in rw.batch_derived:
+                return _dense(rw, node, rw.call(aten.matmul.default, a, _input_rep(rw, node, b)))
+            raise UnsupportedModelError(f"parameter {rw.param!r}: product of two gradient pieces at {node.name}")
+        operands = [_contracted_operand(rw, node, x, labels) for x, labels in ((a, labels_a), (b, labels_b))]
+        (xa, la), (xb, lb) = operands
+        return _dense(rw, node, rw.call(aten.einsum.default, f"{la},{lb}->b{labels_out}", [xa, xb]))
+
+    return rule
+
+
+def _contracted_operand(rw: Rewriter, node: fx.Node, x: fx.Node, labels: str) -> tuple[fx.Node, str]:
+    """``x`` unfolded to (B, ...) with its einsum labels; looks through a transpose of a tagged tensor."""
+    if x.target in (aten.t.default, aten.transpose.int, aten.permute.default) and batch_dim(x.args[0]) is not None:
+        perm = permutation(x)
+        x, labels = x.args[0], "".join(labels[perm.index(j)] for j in range(len(labels)))
+    tag = batch_dim(x)
+    if tag is None:
+        raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} contracts per-sample data with shared data")
+    if labels[tag.dim] != "k":
+        raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} keeps the batch in an output dim")
+    xu, _ = rw.unfold(x)
+    return xu, "b" + labels[: tag.dim] + ("t" if tag.inner != 1 else "") + labels[tag.dim + 1:]
+
+
+per_sample_rule(aten.mm.default, name="linear")(_contraction("mk", "kn", "mn"))
+per_sample_rule(aten.bmm.default, name="grouped_linear")(_contraction("gmk", "gkn", "gmn"))
 
 
 @per_sample_rule(aten.sum.dim_IntList, aten.sum.default, name="sum")
@@ -282,10 +302,10 @@ def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     else:
         values = _input_rep(rw, node, grad)
     n = val(values).numel() // (B * H)
-    values = rw.call(aten.view.default, values, [B, n, H])
+    values = rw.rows(values, [B, n, H])
     if batch_dim(indices) is not None:
         ids, _ = rw.unfold(indices)
-        ids = rw.call(aten.view.default, ids, [B, n])
+        ids = rw.rows(ids, [B, n])
     elif val(indices).numel() == B * n:  # ids shared by the samples but laid out per row (OPT's positions)
         ids = rw.call(aten.reshape.default, indices, [B, n])
     else:
@@ -296,7 +316,81 @@ def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     return PerSampleGrad(tuple(val(node).shape), None, ((ids, values),))
 
 
+_ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+
+
+@per_sample_rule(aten.index_put.default, aten._index_put_impl.default, name="indexed_rows")
+def _index_put(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """A table read at per-sample indices (``w[ids]``, e.g. MoE expert weights): its gradient
+    adds each read's gradient into the row it read, kept as sparse rows per sample."""
+    table, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    ids = indices[0] if len(indices) == 1 else None
+    if not accumulate or ids is None or batch_dim(ids) is None or batch_dim(values) is None:
+        raise UnsupportedModelError(
+            f"parameter {rw.param!r}: {node.name} writes into the gradient other than by adding rows at "
+            "per-sample indices; no per-sample rule covers it. Way out: freeze the parameter.")
+    if table.target in _ZEROS:
+        base = PerSampleGrad(tuple(val(node).shape))
+    elif table in rw.batch_derived:
+        base = rw.rep(table)
+    else:
+        raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} adds rows into a constant table")
+    ids_u, _ = rw.unfold(ids)
+    values_u, _ = rw.unfold(values)
+    n = val(ids_u).numel() // rw.B
+    rows = (rw.rows(ids_u, [rw.B, n]), rw.rows(values_u, [rw.B, n, *val(node).shape[1:]]))
+    return rw.add(base, PerSampleGrad(tuple(val(node).shape), None, (rows,)))
+
+
+@per_sample_rule((aten.convolution_backward.default, 1), (aten.convolution_backward.default, 2), name="conv")
+def _conv(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """Per-sample conv weight gradients as ONE grouped convolution_backward: the batch folded
+    into the channels (B*groups groups), so sample b's input only meets its own output grad.
+    Bias: the output gradient summed over positions."""
+    conv = node.args[0]
+    grad, x, weight, _, stride, padding, dilation, transposed, output_padding, groups = conv.args[:10]
+    B = rw.B
+    if transposed or batch_dim(grad) != BatchDim(0, 1) or batch_dim(x) != BatchDim(0, 1):
+        raise UnsupportedModelError(
+            f"parameter {rw.param!r}: no per-sample rule for a transposed convolution or one over a "
+            f"folded batch ({conv.name}). Way out: freeze the parameter.")
+    if node.args[1] == 2:
+        return _dense(rw, node, rw.call(aten.sum.dim_IntList, grad, list(range(2, val(grad).dim()))))
+    w_shape = list(val(weight).shape)
+    folded = [rw.call(aten.reshape.default, t, [1, B * val(t).shape[1], *val(t).shape[2:]]) for t in (grad, x)]
+    weights = rw.call(aten.repeat.default, weight, [B] + [1] * (len(w_shape) - 1))
+    both = rw.call(aten.convolution_backward.default, *folded, weights, None, stride, padding, dilation,
+                   False, output_padding, B * groups, [False, True, False])
+    per_sample = rw.call(operator.getitem, both, 1)
+    return _dense(rw, node, rw.view(per_sample, [B, *w_shape]))
+
+
 # --- ops between a reduction and the gradient output, applied per sample ---------------
+
+def _linear_in_grad_output(rw: Rewriter, node: fx.Node):
+    """The rule for a pointwise ``*_backward(grad_output, ...)`` op when only ``grad_output`` is
+    a gradient piece: such ops are ``grad_output * f'(...)`` (the chain rule), linear in it,
+    so they apply to each sample's piece as to the sum (a parameter inside an activation,
+    e.g. ``softplus(alpha)``). None for any other op."""
+    op = node.target
+    if not (is_pointwise(op) and op._schema.arguments and op._schema.arguments[0].name == "grad_output"):
+        return None
+    if any(a in rw.batch_derived for a in node.all_input_nodes if a is not node.args[0]):
+        return None
+    return _grad_output_scaled
+
+
+def _grad_output_scaled(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    x = rw.densify(rw.rep(node.args[0]))
+    shape = [rw.B, *val(node).shape]
+    others = [rw.call(aten.expand.default, a, shape) if isinstance(a, fx.Node) and val(a) is not None else a
+              for a in node.args[1:]]
+    return _dense(rw, node, rw.call(node.target, x, *others, **node.kwargs))
+
+
+_grad_output_scaled.rule_name = "activation"
+
 
 @per_sample_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, name="view")
 def _view(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
@@ -337,6 +431,13 @@ def _scale(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     return PerSampleGrad(g.shape, dense, rows)
 
 
+@per_sample_rule(aten.neg.default, name="scale")
+def _neg(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    g = rw.rep(node.args[0])
+    dense = rw.call(aten.neg.default, g.dense) if g.dense is not None else None
+    return PerSampleGrad(g.shape, dense, tuple((i, rw.call(aten.neg.default, v)) for i, v in g.rows))
+
+
 @per_sample_rule(aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default,
                  name="cast")
 def _cast(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
@@ -350,6 +451,32 @@ def _cast(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
 def _squeeze(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     x = rw.densify(rw.rep(node.args[0]))
     return _dense(rw, node, rw.view(x, [rw.B, *val(node).shape]))
+
+
+@per_sample_rule(aten.cat.default, aten.stack.default, name="view")
+def _cat(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """Pieces of a parameter's gradient laid side by side (hyper-connection weights)."""
+    pieces = node.args[0]
+    if not all(p in rw.batch_derived for p in pieces):
+        raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} joins gradient pieces with constants")
+    dim = node.args[1] if len(node.args) > 1 else 0
+    dense = [rw.densify(rw.rep(p)) for p in pieces]
+    return _dense(rw, node, rw.call(node.target, dense, dim % val(node).dim() + 1))
+
+
+@per_sample_rule(aten.slice.Tensor, aten.select.int, name="view")
+def _slice(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    x = rw.densify(rw.rep(node.args[0]))
+    dim = node.args[1] % val(node.args[0]).dim() if len(node.args) > 1 else 0
+    return _dense(rw, node, rw.call(node.target, x, dim + 1, *node.args[2:]))
+
+
+@per_sample_rule(aten.slice_backward.default, aten.select_backward.default, name="view")
+def _slice_backward(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """A parameter used through a slice or an index: its gradient zero-padded back to size."""
+    grad, sizes, dim, *rest = node.args
+    x = rw.densify(rw.rep(grad))
+    return _dense(rw, node, rw.call(node.target, x, [rw.B, *sizes], dim % len(sizes) + 1, *rest))
 
 
 @per_sample_rule(aten.expand.default, name="view")
@@ -371,6 +498,14 @@ def per_sample(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     dense_outputs = []
     for name, grad in zip(ctx.captured.param_names, grads):
         rw.param, rw.rules = name, set()
+        if grad.target is aten.zeros_like.default and grad.args[0].op == "placeholder":  # unused (capture)
+            with gm.graph.inserting_before(output):
+                zeros = rw.call(aten.zeros.default, [rw.B, *val(grad).shape], dtype=val(grad).dtype,
+                                device=val(grad).device)
+            ctx.param_meta(name).update({PER_SAMPLE_GRAD: PerSampleGrad(tuple(val(grad).shape), zeros),
+                                         PER_SAMPLE_RULE: "unused"})
+            dense_outputs.append(zeros)
+            continue
         if batch_dim(grad) is not None or grad not in rw.batch_derived:
             raise UnsupportedModelError(
                 f"parameter {name!r}: its gradient ({grad.name}) is not a reduction over samples; "

@@ -76,6 +76,8 @@ def _variation_rule(*ops):
 
 def variation(node: fx.Node) -> dict[int, Variation]:
     """The variation of an untagged ``call_function`` node's output, from its inputs'."""
+    if val(node).numel() == 0:
+        return {}  # no entries, nothing that could differ from row to row
     rule = _VARIATION.get(node.target)
     if rule is None and is_pointwise(node.target):
         rule = _broadcast_variation

@@ -6,11 +6,13 @@ as inputs) and ``param.grad`` is written in ``finalize``.
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 
 import torch
 from torch import nn
 
+from .._torch import GUARDS
 from ..capture import capture
 from ..config import DPConfig
 from ..data import LogicalBatch
@@ -21,12 +23,34 @@ from .accounting import PrivacyAccountant
 from .noise import NoiseGenerator, broadcast_key, key_from_insecure_seed
 from .parallel import Parallel
 
+log = logging.getLogger(__name__)
+_RECAPTURE_WARNING = 8  # the capture of one graph that warns of repeated recaptures (as dynamo's recompile_limit)
+
 
 class Engine:
     """A compiled DP training step. Made by ``longshield_fx.compile``.
 
     Capture happens at the first call, with that batch's shapes; every later physical
     batch must have the same shapes (pad with a mask: ``longshield_fx.data.PoissonBatches``).
+
+    Capture guards. A captured graph has the Python state its forward read baked in, so
+    before each run (``accumulate``, ``per_sample_grads``, ``lower``) the engine checks that
+    state against the capture's and recaptures when it changed (counted in ``captures``; the
+    reason is logged at INFO level by ``longshield_fx.runtime.engine``). It checks
+
+    - its own fingerprint of the model: every module's ``training`` flag and plain
+      attributes (int, float, bool, str, None, dtype, device or tuples of those; not
+      ``_``-names), the same of a module's ``config``/``cfg`` object, and each parameter's
+      and buffer's name, identity, shape, dtype, device and ``requires_grad``;
+    - dynamo's guards of the capture: whatever else the trace read (nested config values,
+      containers, globals, closures, global torch state such as the default device) and
+      the batch tensors' metadata.
+
+    Not covered: Python state read by code dynamo does not trace (the body of a custom op).
+    Tensor values need no guard: parameters, buffers and the batch are graph inputs, read
+    at every run. A change between ``accumulate`` and ``finalize`` of one logical batch is
+    refused (a step never mixes two graphs): make it between steps. Evaluating with
+    ``model.eval()`` and going back to ``model.train()`` before the next step recaptures nothing.
     """
 
     def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None, checkpoint=None,
@@ -48,6 +72,10 @@ class Engine:
         self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
         self.nonfinite_samples = 0  # real samples whose gradient was inf/nan (contributed 0)
         self._lowered: dict[str, Lowered] = {}
+        # graph -> (model fingerprint, dynamo's guards) at its capture: see "Capture guards".
+        self._captured_from: dict[str, tuple] = {}
+        self._graph_captures: dict[str, int] = {}
+        self._pristine = None  # (model fingerprint, an unrewritten copy of the last capture)
         self._shapes = None
         self._accum: dict[str, torch.Tensor] | None = None
         self._accumulated = 0  # real samples since the last finalize (this rank)
@@ -68,7 +96,8 @@ class Engine:
 
         ``graph``: "train" (per physical batch: loss sum, norms, clipped sums; needs a DP
         config) or "per_sample" (the graph behind ``per_sample_grads``). Cached: the first
-        call captures, later calls return the same graph (the physical shapes are fixed).
+        call captures, later calls return the same graph (the physical shapes are fixed)
+        unless the model changed since (see the class docstring: capture guards).
         Tensors may be fake (``FakeTensorMode``): nothing is computed.
         """
         if graph not in self.pipelines:
@@ -76,18 +105,63 @@ class Engine:
         if graph == "train" and self.config is None:
             raise ValueError("engine: training needs a DP config: longshield_fx.compile(model, config=DPConfig(...))")
         self._check_shapes(example_batch)
-        if graph not in self._lowered:
-            self._lowered[graph] = self._lower(example_batch, self.pipelines[graph])
-        return self._lowered[graph]
+        lowered = self._cached(graph, self.parallel.shard(example_batch))
+        if lowered is None:
+            lowered = self._lowered[graph] = self._lower(graph, example_batch)
+        return lowered
 
-    def _lower(self, batch, passes) -> Lowered:
+    def _cached(self, graph: str, sharded_batch) -> Lowered | None:
+        """``graph``'s lowering if the model is still what it was captured from, else None
+        (dropped: the caller recaptures). A change inside a logical batch is refused."""
+        lowered = self._lowered.get(graph)
+        if lowered is None:
+            return None
+        change = self._change(graph, sharded_batch)
+        if change is None:
+            return lowered
+        if graph == "train" and self._accum is not None:
+            raise ValueError(
+                f"engine: the model changed since this logical batch's first accumulate ({change}); "
+                "its physical batches must all run the same graph. Make such changes between steps (after "
+                "engine.finalize), or undo the change to finish this logical batch")
+        log.info("engine: recapturing the %s graph: %s", graph, change)
+        n = self._graph_captures[graph]
+        if n + 1 == _RECAPTURE_WARNING:
+            warnings.warn(
+                f"engine: the model changed again ({change}); this is capture {n + 1} of the {graph} graph, and "
+                "each one traces the model anew. A Python attribute that changes every step (a schedule, a "
+                "counter) belongs in a tensor buffer, which the graph reads as an input", RuntimeWarning, stacklevel=3)
+        del self._lowered[graph]
+        return None
+
+    def _change(self, graph: str, sharded_batch) -> str | None:
+        """What changed, in words, since ``graph`` was captured; None if nothing did."""
+        state, guards = self._captured_from[graph]
+        now = _fingerprint(self.model)
+        if now != state:
+            return _describe_change(state, now)
+        if guards is None:
+            return None
+        # The caller's grad mode does not matter: capture and runs set their own.
+        with torch.enable_grad():
+            failed = guards.failure(self.parallel.capture_module(self.model), sharded_batch)
+        return None if failed is None else f"a guard of the capture failed: {failed}"
+
+    def _lower(self, graph: str, batch) -> Lowered:
         dtype = self._dtype()
+        state = _fingerprint(self.model)  # before capture: what the graph is traced from
         model = self.parallel.capture_module(self.model)
         if dtype is not None and dtype != next(model.parameters()).dtype:
             model = copy.deepcopy(model).to(dtype)  # capture only; the live model keeps its dtype
         batch = self.parallel.shard(batch)
-        captured = capture(model, batch)
-        self.captures += 1
+        captured = self._shared_capture(state, batch)
+        if captured is None:
+            with torch.enable_grad():  # the joint graph needs autograd, whatever mode the caller is in
+                captured = capture(model, batch)
+            self.captures += 1
+            self._pristine = (state, captured.copy())  # the other graph starts from this capture
+        self._graph_captures[graph] = self._graph_captures.get(graph, 0) + 1
+        self._captured_from[graph] = (state, captured.gm.meta.get(GUARDS))
         B = batch[0].shape[0]
         loss_val = val(captured.gm.graph.output_node().args[0][0])
         if loss_val is None or tuple(loss_val.shape) != (B,):
@@ -98,12 +172,26 @@ class Engine:
         ctx = PassContext(captured, B, self.config, cp_size=self.parallel.cp,
                           cp_group_name=self.parallel.cp_group_name, cp_rank=self.parallel.cp_rank,
                           checkpoint=self.checkpoint)
-        lowered = lower(ctx, passes)  # first: a pass names a mixing op (batch norm) better than the mutation
+        # Passes first: a pass names a mixing op (batch norm) better than the mutation does.
+        lowered = lower(ctx, self.pipelines[graph])
         if captured.mutations:
             raise UnsupportedModelError(
                 f"the forward mutates model state ({', '.join(captured.mutations)}); the compiled step "
                 "would drop those updates. Way out: keep buffers constant during the training step")
         return lowered
+
+    def _shared_capture(self, state, sharded_batch):
+        """A copy of the last capture when the model is still what it was traced from: both
+        graphs ("train", "per_sample") rewrite the same joint graph, so one trace serves both."""
+        if self._pristine is None or self._pristine[0] != state:
+            return None
+        captured = self._pristine[1]
+        guards = captured.gm.meta.get(GUARDS)
+        if guards is not None:
+            with torch.enable_grad():
+                if guards.failure(self.parallel.capture_module(self.model), sharded_batch) is not None:
+                    return None
+        return captured.copy()
 
     def _check_shapes(self, batch):
         if not batch or not all(isinstance(t, torch.Tensor) for t in batch):
@@ -140,12 +228,13 @@ class Engine:
             raise ValueError(f"engine.accumulate: mask must have shape ({B},), got {tuple(mask.shape)}")
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("engine.accumulate: mask must hold only 0 (padding) and 1 (real sample)")
-        lowered = self._lowered.get("train") or self.lower(*batch)  # shapes checked above
+        sharded = self.parallel.shard(batch)
+        lowered = self._cached("train", sharded) or self.lower(*batch)  # shapes checked above
         captured, gm = lowered.captured, lowered.gm
         loss_val = val(captured.cotangent_placeholder())
         cotangent = mask.to(device=batch[0].device, dtype=loss_val.dtype)
-        args = captured.gather_args(self.model, self.parallel.shard(batch), cotangent, dtype=self._dtype())
-        with torch.no_grad(), self.parallel.collective_errors():
+        args = captured.gather_args(self.model, sharded, cotangent, dtype=self._dtype())
+        with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             loss_sum, norms, *sums = gm(*args)
             loss_sum = self.parallel.sum_over_cp(loss_sum)
         nonfinite = int((~torch.isfinite(norms)).sum())
@@ -220,7 +309,7 @@ class Engine:
         B = batch[0].shape[0]
         cotangent = torch.ones(B, dtype=val(captured.cotangent_placeholder()).dtype, device=batch[0].device)
         args = captured.gather_args(self.model, self.parallel.shard(batch), cotangent, dtype=self._dtype())
-        with torch.no_grad(), self.parallel.collective_errors():
+        with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             _, *grads = gm(*args)
             # Each cp rank holds the partial gradient of its tokens; the full one is their sum.
             grads = [self.parallel.sum_over_cp(g) for g in grads]
@@ -291,3 +380,70 @@ class Engine:
             lines.append(format_log(lowered.log))
             lines.append("  per-sample rules: " + ", ".join(f"{n}={r}" for n, r in lowered.rules.items()))
         return "\n".join(lines)
+
+
+# --- capture guards -----------------------------------------------------------------------
+
+# Exact types: isinstance would also ask a proxy for its __class__ (slow on HF configs).
+_PLAIN = {int, float, bool, str, type(None), torch.dtype, torch.device}
+_CONFIGS = ("config", "cfg")  # Hugging Face models read self.config.*, longshield_fx.models self.cfg.*
+_TENSOR_FIELDS = ("identity", "shape", "dtype", "device", "requires_grad")
+
+
+def _plain(value) -> bool:
+    return type(value) in _PLAIN or (type(value) is tuple and all(type(v) in _PLAIN for v in value))
+
+
+def _attributes(state: dict, prefix: str, attributes: dict) -> None:
+    """The plain public ones of ``attributes`` (a ``vars()``) into ``state``, as ``prefix + name``.
+    ``_``-names are torch's own (parameter, buffer, module and hook dicts) or private."""
+    for name, value in attributes.items():
+        if name[0] != "_" and _plain(value):
+            state[prefix + name] = value
+
+
+def _fingerprint(model: nn.Module) -> dict:
+    """What a capture of ``model`` may depend on beyond tensor values and dynamo's guards
+    (see ``Engine``): name -> value, compared with ==. Cheap enough for every call (about
+    0.3 ms for the tiny Llama): one walk over the modules, reading their ``__dict__``s."""
+    state: dict = {}
+    configs: set[int] = set()  # a config object is usually shared by many modules: read it once
+    for name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        attributes = vars(module)
+        _attributes(state, prefix, attributes)
+        for attr in _CONFIGS:
+            config = attributes.get(attr)
+            if config is not None and id(config) not in configs and hasattr(config, "__dict__"):
+                configs.add(id(config))
+                _attributes(state, f"{prefix}{attr}.", vars(config))
+        # What named_parameters/named_buffers(remove_duplicate=False) yield, in the same walk.
+        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for key, t in tensors.items():
+                if t is not None:
+                    state[f"{kind} {prefix}{key}"] = (id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
+    return state
+
+
+def _describe_change(before: dict, now: dict, most: int = 3) -> str:
+    """The differences between two fingerprints in words (the first ``most`` of them);
+    ``model.train()``/``eval()`` flips are told as one."""
+    missing = object()
+    changed = [k for k in dict.fromkeys([*before, *now]) if before.get(k, missing) != now.get(k, missing)]
+    flags = [k for k in changed if k.rpartition(".")[2] == "training" and k in before and k in now]
+    words = []
+    if len(flags) > 1:
+        first = flags[0]
+        words.append(f"the training flag of {len(flags)} modules ({first}: {before[first]} -> {now[first]}, ...)")
+        changed = [k for k in changed if k not in flags]
+    for key in changed:
+        old, new = before.get(key, missing), now.get(key, missing)
+        if old is missing or new is missing:
+            words.append(f"{key} {'added' if old is missing else 'removed'}")
+        elif key.startswith(("parameter ", "buffer ")):  # the first field that differs
+            field, a, b = next((f, a, b) for f, a, b in zip(_TENSOR_FIELDS, old, new) if a != b)
+            words.append(f"{key}: replaced by another tensor" if field == "identity" else f"{key}: {field} {a} -> {b}")
+        else:
+            words.append(f"{key}: {old!r} -> {new!r}")
+    more = f" and {len(words) - most} more" if len(words) > most else ""
+    return "; ".join(words[:most]) + more

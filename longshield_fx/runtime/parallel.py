@@ -90,6 +90,24 @@ class Parallel:
         positions = zigzag_index(T, self.cp, self.cp_rank).to(input_ids.device)[None].expand(B, -1).contiguous()
         return ids, shifted, positions
 
+    @contextlib.contextmanager
+    def model_rng(self):
+        """Random ops of the model (dropout) draw independently on every rank.
+
+        Ranks usually seed torch alike, so without this every cp rank would drop the same
+        pattern over its own tokens. One draw from the default generator, equal on all ranks
+        so they stay in step, seeds a per-rank stream for the step. The DP noise never comes
+        from here (``runtime.noise`` has its own secret stream).
+        """
+        if self.mesh is None or self.mesh.size() == 1:
+            yield
+            return
+        step_seed = int(torch.randint(0, 2**62, (1,)))
+        device_type = self.mesh.device_type
+        with torch.random.fork_rng(**({} if device_type == "cpu" else {"device_type": device_type})):
+            torch.manual_seed(hash((step_seed, dist.get_rank())) & (2**63 - 1))
+            yield
+
     # --- collectives outside the graph --------------------------------------------------------
     def sum_over_dp(self, count: int) -> int:
         if self.dp == 1:

@@ -230,3 +230,68 @@ def test_llama_positions_and_causal_masks_are_accepted(make, vocab):
              for x in n.all_input_nodes if x.meta.get("batch_dim") is None and x.meta["val"].dim() == 4]
     assert bool(masks) == (make is hf_llama)
     assert all(m.meta["val"].shape[0] == 3 and 0 not in m.meta["varies"] for m in masks)
+
+
+class Apply(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.fc(x)).pow(2).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda z: torch.logcumsumexp(z, dim=1),                                   # (B, 6) along features
+    lambda z: torch.select_scatter(z.unsqueeze(1).repeat(1, 3, 1), z, 1, 0),  # write one slot per row
+    lambda z: torch.nn.functional.pad(z, (1, 2)),
+], ids=["logcumsumexp", "select_scatter", "pad"])
+def test_ops_without_a_hand_rule_follow_dtensor_sharding_propagation(fn):
+    from longshield_fx.passes import batch_rules, batch_rules_indexing
+    from longshield_fx.passes.batch_dims import _RULES
+    model = Apply(fn)
+    batch = (torch.randn(3, 4),)
+    nodes = tagged(model, batch)
+    decided = [n for n in nodes.values() if n.op == "call_function" and n.target not in _RULES
+               and "aten" in str(n.target) and not n.target._schema.name.startswith("aten::")]
+    assert batch_rules and batch_rules_indexing and not decided
+    assert_matches_vmap(model, batch)
+
+
+def test_an_op_dtensor_can_only_run_on_the_whole_batch_is_refused():
+    # First the same op along features (accepted): DTensor's cached propagation keys on tensor
+    # arguments only, and would then answer "accepted" for the batch dim too.
+    lf.compile(Apply(lambda z: torch.logcumsumexp(z, dim=1))).per_sample_grads(torch.randn(3, 4))
+    with pytest.raises(lf.UnsupportedModelError, match="logcumsumexp.*mixes samples: DTensor's sharding rules"):
+        lf.compile(Apply(lambda z: torch.logcumsumexp(z, dim=0))).per_sample_grads(torch.randn(3, 4))
+
+
+class Pool(nn.Module):
+    """Per-sample rows picked by advanced indexing, with the batch indexed by arange(B)."""
+
+    def __init__(self, pick):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.pick = pick
+
+    def forward(self, x, last):
+        h = self.fc(x)  # (B, T, 6)
+        return self.pick(h, last).pow(2).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("pick", [
+    lambda h, last: h[torch.arange(h.shape[0]), last],                      # last-token pooling
+    lambda h, last: h[torch.arange(h.shape[0])[:, None], last[:, None] - torch.arange(2)],
+    lambda h, last: h[:, torch.tensor([0, 2])],                              # the same tokens of every row
+], ids=["last_token", "window", "shared_index"])
+def test_indexing_that_keeps_each_sample_in_its_row_is_exact(pick):
+    torch.manual_seed(0)
+    model, batch = Pool(pick), (torch.randn(3, 5, 4), torch.tensor([4, 2, 3]))
+    assert_matches_vmap(model, batch)
+
+
+def test_indexing_the_batch_with_a_per_row_constant_is_refused():
+    model = Pool(lambda h, last: h[torch.arange(h.shape[0]), torch.tensor([0, 1, 2])])
+    with pytest.raises(lf.UnsupportedModelError, match="row position"):
+        lf.compile(model).per_sample_grads(torch.randn(3, 5, 4), torch.tensor([4, 2, 3]))

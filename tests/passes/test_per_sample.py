@@ -157,18 +157,28 @@ class Conv(nn.Module):
         return self.conv(x).pow(2).sum((1, 2))
 
 
+class CumulativeWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        return (x @ self.w.cumsum(0)).pow(2).sum((1, 2))
+
+
 def test_unknown_gradient_pattern_names_parameter_op_and_way_out():
-    # Conv1d keeps samples apart (batch_dims accepts it) but no per-sample rule knows
-    # convolution_backward's weight gradient.
+    # The matmul keeps samples apart (batch_dims accepts it), but the weight gradient then
+    # passes through cumsum's backward, which no per-sample rule knows.
     with pytest.raises(lf.UnsupportedModelError) as e:
-        lf.compile(Conv(3)).per_sample_grads(torch.randn(2, 3, 8))
+        lf.compile(CumulativeWeights()).per_sample_grads(torch.randn(2, 5, 4))
     msg = str(e.value)
-    assert "'conv.weight'" in msg and "convolution_backward" in msg
+    assert "'w'" in msg and "no per-sample rule for" in msg
     assert "freeze" in msg and "per_sample_rule" in msg
 
 
 def test_registered_rule_is_used():
-    """A user rule for a kernel-size-1 convolution (a linear map over channels)."""
+    """A user rule (here for a kernel-size-1 convolution, a linear map over channels) replaces
+    the built-in one."""
     import importlib
 
     from longshield_fx.passes.per_sample import PerSampleGrad
@@ -177,6 +187,7 @@ def test_registered_rule_is_used():
 
     aten = torch.ops.aten
     key = (aten.convolution_backward.default, 1)
+    built_in = ps_module._RULES[key]
 
     @lf.per_sample_rule(key, name="conv1x1")
     def conv1x1(rw, node):
@@ -192,4 +203,62 @@ def test_registered_rule_is_used():
         torch.testing.assert_close(ours["conv.weight"], vmap_per_sample_grads(model, batch)["conv.weight"])
         assert "conv1x1" in repr(engine)
     finally:
-        del ps_module._RULES[key]
+        ps_module._RULES[key] = built_in
+
+
+class ConvNet(torch.nn.Module):
+    """conv -> activation with a trainable slope -> conv; per-sample loss summed over positions."""
+
+    def __init__(self, dims, **conv):
+        super().__init__()
+        Conv = torch.nn.Conv1d if dims == 1 else torch.nn.Conv2d
+        self.conv1 = Conv(4, 6, kernel_size=3, **conv)
+        self.conv2 = Conv(6, 2, kernel_size=2, bias=False)
+        self.alpha = torch.nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x, y):
+        h = self.conv1(x)
+        h = torch.nn.functional.softplus(self.alpha) * h + torch.nn.functional.silu(h)
+        return ((self.conv2(h).flatten(1) - y) ** 2).sum(1)
+
+
+@pytest.mark.parametrize("dims, conv", [
+    (1, {}),
+    (1, {"stride": 2, "padding": 1, "dilation": 2, "groups": 2}),
+    (2, {"stride": (2, 1), "padding": 1}),
+    (2, {"dilation": 2, "groups": 2, "padding": "same"}),
+])
+def test_conv_weights_bias_and_a_parameter_inside_an_activation(dims, conv):
+    torch.manual_seed(0)
+    model = ConvNet(dims, **conv)
+    shape = (3, 4, 17) if dims == 1 else (3, 4, 9, 8)
+    batch = (torch.randn(shape), torch.randn(3, 1))
+    assert_matches_vmap(model, batch)
+    rules = lf.compile(model).lower(*batch, graph="per_sample").rules
+    assert rules["conv1.weight"] == "conv" and rules["alpha"] == "activation+sum"
+
+
+class GroupedAndJoined(nn.Module):
+    """A grouped linear (one bmm over groups, tokens folded with the batch) whose weight is
+    joined from pieces (cat, stack, slice), as DeepSeek-V4's hyper-connections and grouped
+    output projection do."""
+
+    def __init__(self, groups=3, d=4):
+        super().__init__()
+        self.head = nn.Parameter(torch.randn(1, d, d))
+        self.rest = nn.Parameter(torch.randn(groups - 1, d, d))
+        self.scale = nn.Parameter(torch.randn(2))
+
+    def forward(self, x):  # x (B, T, groups, d)
+        B, T, G, d = x.shape
+        w = torch.cat([self.head, self.rest]) * torch.stack([self.scale[0], self.scale[1:].sum()]).sum()
+        h = torch.bmm(x.reshape(B * T, G, d).transpose(0, 1), w)  # (G, B*T, d)
+        return h.transpose(0, 1).reshape(B, T, G * d).pow(2).sum((1, 2))
+
+
+def test_grouped_linear_and_weights_joined_from_pieces():
+    torch.manual_seed(0)
+    model = GroupedAndJoined()
+    batch = (torch.randn(3, 5, 3, 4),)
+    assert_matches_vmap(model, batch)
+    assert lf.compile(model).lower(*batch, graph="per_sample").rules["rest"] == "grouped_linear"

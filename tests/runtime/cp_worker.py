@@ -8,8 +8,8 @@ distributed check of that size and writes what it measured; the tests compare (t
   strided groups, i.e. dp=2), against full causal attention; then the engine cases of
   ``oracles.CP_CASES`` with world size 4 (cp=4, dp=2 x cp=2).
 - world 2: the engine cases with world size 2 (cp=2: plain, block / selective
-  checkpointing, output-stationary); then a dead peer (rank 1 exits, rank 0 must get a
-  clear error, not a hang).
+  checkpointing, output-stationary); the model's per-rank random stream (dropout); then a
+  dead peer (rank 1 exits, rank 0 must get a clear error, not a hang).
 
 Each rank writes OUT_DIR/rank{r}.pt after every check: {check name: results}. An engine
 case records, on the same batches the single-process oracle gets in the test process:
@@ -117,6 +117,18 @@ def ring_case(world: int, cp: int) -> dict:
     return result
 
 
+def model_rng() -> dict:
+    """The model's random ops under the mesh: ranks seeded alike draw differently inside
+    ``model_rng`` (each rank's tokens get their own dropout masks) and stay in step after it."""
+    from longshield_fx.runtime.parallel import Parallel
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    parallel = Parallel(mesh, mesh["cp"].get_group())
+    torch.manual_seed(0)
+    with parallel.model_rng():
+        inside = torch.rand(64)
+    return {"inside": inside, "after": torch.rand(4)}
+
+
 def dead_peer() -> dict:
     """Rank 1 exits after compile; rank 0 must get a clear error within the group's timeout."""
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
@@ -157,6 +169,7 @@ def main():
         if case_world == world:
             record(name, engine_case, kind, world, dp, policy, comm)
     if world == 2:
+        record("model_rng", model_rng)
         record("dead_peer", dead_peer)
         os._exit(0)  # the default group has a dead peer: do not wait for it at teardown
     dist.destroy_process_group()

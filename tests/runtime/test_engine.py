@@ -1,4 +1,6 @@
-"""Engine: noise once per logical batch, fixed shapes, accounting, checkpoints, bf16, bad input."""
+"""Engine: noise once per logical batch, fixed shapes, accounting, checkpoints, bf16, bad input,
+capture guards."""
+import logging
 import math
 
 import pytest
@@ -9,7 +11,7 @@ import longshield_fx as lf
 from longshield_fx.runtime.accounting import epsilon_for
 
 from longshield_fx.data import PoissonBatches
-from oracles import MLP, logical, mlp_batch, tiny_llama
+from oracles import MLP, assert_matches_vmap, logical, mlp_batch, tiny_llama, vmap_per_sample_grads
 
 
 class Constant(nn.Module):
@@ -277,3 +279,103 @@ def test_no_hooks_during_compile_and_run(monkeypatch, tiny, tokens):
     assert calls == []
     assert _hook_state(model) == before
     assert all(v in (0, True) for v in before)
+
+
+# --- capture guards ----------------------------------------------------------------------------
+
+class ModeScaled(nn.Module):
+    """MLP whose hidden layer reads Python state in the forward: doubled in training mode (a
+    dropout-free stand-in for mode-dependent forwards), times the float ``scale`` and the
+    dict entry ``options["shift"]`` (a container: only dynamo's guards see it)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.scale = 1.0
+        self.options = {"shift": 0.0}
+
+    def forward(self, x, y):
+        h = torch.tanh(self.fc1(x) + self.options["shift"]) * self.scale * (2.0 if self.training else 1.0)
+        logits = self.fc2(h)
+        return nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none").sum(1)
+
+
+CHANGES = {  # name -> (change, what the recapture's log line names)
+    "eval": (lambda m: m.eval(), "training: True -> False"),
+    "attribute": (lambda m: setattr(m, "scale", 3.0), "scale: 1.0 -> 3.0"),
+    "frozen": (lambda m: m.fc1.bias.requires_grad_(False), "parameter fc1.bias: requires_grad True -> False"),
+    "container": (lambda m: m.options.update(shift=0.5), "options['shift']"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_model_change_recaptures_and_matches_the_oracle(change, caplog):
+    """Python state the forward reads is baked into a capture: after a change the engine
+    recaptures, and its per-sample gradients are the oracle's in the new state."""
+    model, batch = ModeScaled(), mlp_batch()
+    engine = lf.compile(model)
+    before = assert_matches_vmap(model, batch, engine.per_sample_grads(*batch))
+    apply, named = CHANGES[change]
+    apply(model)
+    with caplog.at_level(logging.INFO, logger="longshield_fx.runtime.engine"):
+        after = assert_matches_vmap(model, batch, engine.per_sample_grads(*batch))
+    assert engine.captures == 2
+    assert named in caplog.text
+    # The change matters: the graph captured before it would give other gradients.
+    assert set(after) != set(before) or not torch.allclose(after["fc2.weight"], before["fc2.weight"])
+
+
+def test_a_change_inside_a_logical_batch_is_refused():
+    C, E = 1e6, 8.0  # no clipping, no noise: .grad is the oracle's sum / E
+    model, batch = ModeScaled(), mlp_batch()
+    engine = lf.compile(model, config=lf.DPConfig(C, 0.0))
+    engine.accumulate(*batch)
+    model.eval()
+    with pytest.raises(ValueError, match=r"changed since this logical batch's first accumulate \(the training "
+                                         r"flag of 3 modules \(training: True -> False.*after engine.finalize"):
+        engine.accumulate(*batch)
+    model.train()  # undone: the logical batch can be finished with the graph it started with
+    engine.accumulate(*batch)
+    engine.finalize(logical(8, E))
+    model.eval()  # between steps: recaptured
+    engine.accumulate(*batch)
+    engine.accumulate(*batch)
+    engine.finalize(logical(8, E))
+    assert engine.captures == 2
+    ref = vmap_per_sample_grads(model, batch)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * ref[name].sum(0) / E, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_an_unchanged_model_is_not_recaptured():
+    """Optimizer steps (in place), an eager evaluation in eval mode between steps that
+    returns to train mode, and the caller's grad mode change nothing the graph depends on."""
+    model, batch = ModeScaled(), mlp_batch()
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        engine.accumulate(*batch)
+        engine.finalize(logical(4, 4.0))
+        opt.step()
+        model.eval()
+        with torch.no_grad():
+            model(*batch)
+        model.train()
+    with torch.no_grad():
+        engine.accumulate(*batch)
+    engine.finalize(logical(4, 4.0))
+    assert engine.captures == 1
+
+
+def test_repeated_recaptures_warn(monkeypatch):
+    """An attribute that changes every step recaptures every step: say so once, and how to avoid it."""
+    from longshield_fx.runtime import engine as engine_module
+    monkeypatch.setattr(engine_module, "_RECAPTURE_WARNING", 2)
+    model, batch = ModeScaled(), mlp_batch()
+    engine = lf.compile(model)
+    engine.per_sample_grads(*batch)
+    model.scale = 2.0
+    with pytest.warns(RuntimeWarning, match=r"changed again \(scale: 1.0 -> 2.0\); this is capture 2 of the "
+                                            r"per_sample graph.*tensor buffer"):
+        engine.per_sample_grads(*batch)

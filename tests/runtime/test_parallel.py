@@ -124,3 +124,10 @@ def test_dead_peer_gives_a_clear_error_not_a_hang(distributed):
     r = distributed.check(2, "dead_peer")
     assert 1 not in r  # rank 1 left
     assert r[0]["error"] and "peer rank probably died" in r[0]["error"], r[0]
+
+
+@pytest.mark.torchrun(2)
+def test_each_rank_draws_its_own_dropout_masks_and_ranks_stay_in_step(distributed):
+    r = distributed.check(2, "model_rng")
+    assert not torch.equal(r[0]["inside"], r[1]["inside"])
+    assert torch.equal(r[0]["after"], r[1]["after"])

@@ -1,0 +1,210 @@
+"""The Hugging Face zoo: every causal-LM architecture of the installed transformers on a tiny
+random config, our per-sample gradients and flat-clipped sum against a per-sample autograd
+loop. Used by tests/models/test_hf_zoo.py; ``python tests/hf_zoo.py`` prints the README table.
+
+A tiny config is the architecture's default config with the common size fields shrunk (and
+MoE experts run by transformers' fixed-shape ``batched_mm`` implementation, whose shapes do
+not depend on the routing). An architecture whose tiny config does not build or whose eager
+forward fails is listed as "no tiny config" with the reason: it says nothing about us.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+import longshield_fx as lf
+from longshield_fx.errors import UnsupportedModelError
+
+B, T, VOCAB, CLIP = 2, 12, 128, 0.5
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, max_position_embeddings=64, head_dim=8)
+# Applied only where the default config has the field (MoE, MLA attention).
+TINY_IF_PRESENT = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       n_routed_experts=4, shared_expert_intermediate_size=16, n_shared_experts=1,
+                       first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+                       qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+BUILD_SECONDS = 60
+
+
+@dataclass
+class Outcome:
+    status: str  # "exact", "refused", "no tiny config", "wrong", "crash"
+    detail: str = ""
+    error: float = float("nan")  # worst relative error over parameters (exact / wrong)
+
+
+def architectures() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    over = dict(TINY, attn_implementation="sdpa", experts_implementation="batched_mm")
+    over.update({k: v for k, v in TINY_IF_PRESENT.items() if getattr(default, k, None) is not None})
+    over.update({k: 0.0 for k, v in vars(default).items() if ("dropout" in k or k.endswith("pdrop"))
+                 and isinstance(v, float)})
+    try:
+        cfg = cls(**over)
+    except Exception:
+        over.pop("head_dim")
+        cfg = cls(**over)
+    if getattr(cfg, "qk_rope_head_dim", None):  # multi-head latent attention: RoPE spans the rope dims only,
+        cfg.head_dim = cfg.qk_rope_head_dim  # and every head has its own latent K/V
+        cfg.num_key_value_heads = cfg.num_attention_heads
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:TINY["num_hidden_layers"]]
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= VOCAB:
+            setattr(cfg, k, 0)
+    return cfg
+
+
+def build(model_type: str) -> lf.CausalLMLoss:
+    import transformers
+    cfg = tiny_config(model_type)
+    torch.manual_seed(0)
+    try:
+        lm = transformers.AutoModelForCausalLM.from_config(cfg)
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        cfg._attn_implementation = "eager"  # no SDPA path: attention as matmul + softmax
+        lm = transformers.AutoModelForCausalLM.from_config(cfg)
+    return lf.CausalLMLoss(lm).eval()
+
+
+def batch():
+    ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
+    return ids, ids.clone()
+
+
+def loop_per_sample_grads(model, ids, labels) -> dict:
+    """The oracle: one autograd backward per sample, each sample run alone."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = {n: [] for n, _ in named}
+    for i in range(ids.shape[0]):
+        loss = model(ids[i:i + 1], labels[i:i + 1]).sum()
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        for (n, p), g in zip(named, grads):
+            out[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def clipped_sum(per_sample: dict, clip: float) -> dict:
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per_sample.values()))
+    scale = (clip / (norms + 1e-6)).clamp(max=1.0)
+    return {n: torch.einsum("b,b...->...", scale, g) for n, g in per_sample.items()}
+
+
+def relative_error(ours: dict, ref: dict) -> float:
+    """Worst over parameters of |ours - ref| / |ref|; a parameter whose true gradient is zero
+    up to rounding (an attention key bias, which softmax ignores) is measured against 1e-6 of
+    the whole gradient's norm instead."""
+    floor = 1e-6 * float(torch.sqrt(sum(r.pow(2).sum() for r in ref.values())))
+    return max(float((ours[n] - r).norm() / max(float(r.norm()), floor, 1e-30)) for n, r in ref.items())
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise _Timeout(f"building took over {BUILD_SECONDS} s")
+
+
+def run(model_type: str) -> Outcome:
+    """Build, run the oracle, then ours: per-sample grads and the flat-clipped sum. Where fp32
+    misses 1e-5 (cancellation in a few parameters' gradients), both run again in fp64: a rule
+    error stays O(1), rounding shrinks below 1e-6."""
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(BUILD_SECONDS)
+    try:
+        model = build(model_type)
+        ids, labels = batch()
+        with torch.no_grad():
+            model(ids, labels)  # the whole batch, as we capture it
+        ref = loop_per_sample_grads(model, ids, labels)
+    except Exception as e:  # the architecture, not us: its own eager forward does not run
+        return Outcome("no tiny config", f"{type(e).__name__}: {_first_line(e)}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    try:
+        err = _error(model, ids, labels, ref)
+        if err > 1e-5:
+            model = model.double()
+            fp64 = _error(model, ids, labels, loop_per_sample_grads(model, ids, labels))
+            # 1e-6: the clip factor is rounded to fp32 whatever the compute dtype (passes/clip.py).
+            return Outcome("exact" if fp64 <= 1e-6 else "wrong", f"{err:.1e} in fp32, {fp64:.1e} in fp64", fp64)
+    except UnsupportedModelError as e:
+        return Outcome("refused", _first_line(e))
+    except Exception as e:
+        return Outcome("crash", f"{type(e).__name__}: {_first_line(e)}")
+    return Outcome("exact", f"{err:.1e}", err)
+
+
+def _error(model, ids, labels, ref) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dtype = next(model.parameters()).dtype
+        engine = lf.compile(model, config=lf.DPConfig(CLIP, 0.0, compute_dtype=dtype))
+        ours = engine.per_sample_grads(ids, labels)  # both graphs rewrite one capture
+        engine.accumulate(ids, labels)
+        engine.finalize(_logical())
+    clipped = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return max(relative_error(ours, ref), relative_error(clipped, clipped_sum(ref, CLIP)))
+
+
+def _logical():
+    from longshield_fx.data import LogicalBatch
+    return LogicalBatch(size=B, indices=torch.arange(B), physical=[], sample_rate=1.0, expected_size=1.0)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:240] if text else type(e).__name__
+
+
+def table(results: dict[str, Outcome]) -> str:
+    """The README table: architecture -> outcome."""
+    rows = ["| architecture | result |", "|---|---|"]
+    for name, o in sorted(results.items()):
+        what = {"exact": f"exact (rel. err. {o.detail})", "refused": f"refused: {o.detail}",
+                "no tiny config": f"no tiny config ({o.detail[:80]})"}.get(o.status, f"{o.status}: {o.detail}")
+        rows.append(f"| {name} | {what.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+MEMORY_LIMIT = 6 << 30  # address space: a default sub-config of a giant (a vision tower) fails to build, not the machine
+
+
+def main(argv: list[str]) -> None:
+    """``python tests/hf_zoo.py [--table | --json] [arch ...]``: progress on stderr; the README
+    table (``--table``) or every outcome as JSON (``--json``, what the test reads) on stdout."""
+    import json
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    torch.set_num_threads(1)
+    names = [a for a in argv if not a.startswith("--")] or architectures()
+    results = {}
+    for name in names:
+        start = time.time()
+        results[name] = run(name)
+        print(f"{name:28s} {time.time() - start:5.1f}s {results[name].status}: {results[name].detail}",
+              file=sys.stderr, flush=True)
+    if "--table" in argv:
+        print(table(results))
+    if "--json" in argv:
+        print(json.dumps({n: vars(o) for n, o in results.items()}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
