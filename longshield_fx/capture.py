@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._torch import CaptureError, descriptors as d, export_joint
+from ._torch import CaptureError, OpOverload, descriptors as d, export_joint
 from .errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -170,14 +170,31 @@ def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str], aliases: dict[s
     return CapturedGraph(gm, fake_mode, inputs, param_names, dict(grads), mutated)
 
 
-# Activation backwards whose meta kernels (torch 2.13) report contiguous outputs while the CPU
-# kernels keep the layout of a non-contiguous grad_output, so an exported ``view`` of their
-# result fails at run time.
-_STRIDE_MISMATCH = {getattr(aten, f"{name}_backward").default for name in ("softplus",)}
-
-
 def _reshape_where_meta_strides_differ(graph: fx.Graph) -> None:
-    """``view`` -> ``reshape`` on those outputs: the same values, a copy only where needed."""
+    """``view`` -> ``reshape`` (the same values; a copy only where needed) on the output of an
+    elementwise op whose full-size tensor inputs have different layouts. Which layout such an
+    output gets is decided differently by the fake kernels (torch 2.13 refs) and the CPU
+    kernels (TensorIterator), so an exported view of it can fail at run time (seen for
+    softplus_backward and sigmoid_backward with a transposed grad_output, and for cat of
+    such outputs)."""
+    uncertain = set()  # nodes whose run-time layout may differ from their fake one
     for node in graph.nodes:
-        if node.target is aten.view.default and getattr(node.args[0], "target", None) in _STRIDE_MISMATCH:
-            node.target = aten.reshape.default
+        if node.target in (aten.view.default, aten.reshape.default) and node.args[0] in uncertain:
+            node.target = aten.reshape.default  # a view of a reshape that did not copy stays uncertain
+            uncertain.add(node)
+        elif _layout_is_ambiguous(node, uncertain):
+            uncertain.add(node)
+
+
+def _layout_is_ambiguous(node: fx.Node, uncertain: set) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
+        return False
+    if node.target is aten.cat.default:  # the CPU kernel may follow a non-contiguous input's layout
+        return any(a in uncertain or not a.meta["val"].is_contiguous() for a in node.all_input_nodes)
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not (torch.Tag.pointwise in node.target.tags
+                                                 or node.target._schema.name.endswith("_backward")):
+        return False
+    full_size = [a for a in node.all_input_nodes
+                 if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == out.shape]
+    return any(a in uncertain for a in full_size) or len({a.meta["val"].stride() for a in full_size}) > 1

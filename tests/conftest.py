@@ -9,11 +9,13 @@ rewrites builds its own). Oracles and the tiny models themselves live in ``oracl
 Multi-process checks run in ONE torchrun launch of ``runtime/cp_worker.py`` per world size
 (``distributed``). Tests that read a launch are marked ``torchrun(world)``; the launches
 they need start in the background as soon as collection ends and those tests run last, so
-the launches run while the single-process tests do. ``torchrun`` tests are also ``slow``:
-``-m "not slow"`` skips the launches altogether.
+the launches run while the single-process tests do. The Hugging Face zoo (``hf_zoo.py``,
+its own process) runs after them the same way, for tests marked ``hf_zoo``. Both kinds are
+also ``slow``: ``-m "not slow"`` skips the background runs altogether.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -144,7 +146,8 @@ def describe_collectives():
 # --- multi-process launches ----------------------------------------------------------------------
 
 WORKER = Path(__file__).parent / "runtime" / "cp_worker.py"
-LAUNCH_TIMEOUT_S = 900
+ZOO = Path(__file__).parent / "hf_zoo.py"
+LAUNCH_TIMEOUT_S = 1800
 
 
 class Launches:
@@ -157,13 +160,14 @@ class Launches:
         self.procs: dict[int, tuple] = {}  # world -> (process, output dir, log file)
         self.done: dict[int, tuple] = {}  # world -> (return code, log text, {rank: results})
 
-    def _start(self, world: int):
-        """Start the launch of ``world`` ranks unless it has started; return its process. Under the lock."""
+    def _start(self, world):
+        """Start the launch of ``world`` ranks (or the zoo run, ``world == "zoo"``) unless it has
+        started; return its process. Under the lock."""
         if world not in self.procs:
             out = Path(tempfile.mkdtemp(prefix=f"longshield-world{world}-"))
             log = open(out / "log.txt", "w+")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   str(WORKER), str(out)]
+                   str(WORKER), str(out)] if world != "zoo" else [sys.executable, str(ZOO), f"--json={out / 'zoo.json'}"]
             env = dict(os.environ, OMP_NUM_THREADS="1")
             # Its own session: the launch (torchrun and its ranks) can be ended by its group id.
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -182,7 +186,15 @@ class Launches:
 
         threading.Thread(target=chain, daemon=True).start()
 
-    def results(self, world: int) -> tuple:
+    def zoo(self) -> dict:
+        """Every architecture's ``hf_zoo.Outcome`` (as dicts) from the zoo run."""
+        rc, text, _ = self.results("zoo")
+        found = list(Path(self.procs["zoo"][1]).glob("zoo.json"))
+        if rc != 0 or not found:
+            pytest.fail(f"tests/hf_zoo.py --json (exit {rc}) wrote no results:\n{text[-4000:]}", pytrace=False)
+        return json.loads(found[0].read_text())
+
+    def results(self, world) -> tuple:
         """(return code, log, {rank: {check: results}}), waiting for the launch to end."""
         if world not in self.done:
             with self._lock:
@@ -196,8 +208,8 @@ class Launches:
                 rc = f"killed after {LAUNCH_TIMEOUT_S} s"
             log.seek(0)
             text = log.read()
-            ranks = {r: torch.load(out / f"rank{r}.pt", weights_only=False)
-                     for r in range(world) if (out / f"rank{r}.pt").exists()}
+            ranks = {} if world == "zoo" else {r: torch.load(out / f"rank{r}.pt", weights_only=False)
+                                               for r in range(world) if (out / f"rank{r}.pt").exists()}
             self.done[world] = (rc, text, ranks)
         return self.done[world]
 
@@ -238,18 +250,22 @@ def distributed():
 def pytest_collection_modifyitems(config, items):
     """Tests that read a launch are ``slow`` (before -m deselects: the launch is slow, whatever
     the test takes) and run last, so the launches run while the other tests do."""
+    background = ("torchrun", "hf_zoo")
     for item in items:
-        if item.get_closest_marker("torchrun") is not None:
+        if any(item.get_closest_marker(m) is not None for m in background):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.get_closest_marker("torchrun") is not None)  # stable
+    items.sort(key=lambda item: any(item.get_closest_marker(m) is not None for m in background))  # stable
 
 
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    worlds = {w for item in session.items for m in item.iter_markers("torchrun") for w in m.args}
+    worlds = sorted({w for item in session.items for m in item.iter_markers("torchrun") for w in m.args},
+                    reverse=True)  # the longer launch first
+    if any(item.get_closest_marker("hf_zoo") is not None for item in session.items):
+        worlds.append("zoo")
     if worlds:
-        _LAUNCHES.start_in_background(sorted(worlds, reverse=True))  # the longer launch first
+        _LAUNCHES.start_in_background(worlds)
 
 
 def pytest_sessionfinish(session):

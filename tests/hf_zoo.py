@@ -27,7 +27,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention
 TINY_IF_PRESENT = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        n_routed_experts=4, shared_expert_intermediate_size=16, n_shared_experts=1,
                        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
-                       qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+                       qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, vocab_size_per_layer_input=VOCAB,
+                       hidden_size_per_layer_input=8)
 BUILD_SECONDS = 60
 
 
@@ -183,12 +184,12 @@ def table(results: dict[str, Outcome]) -> str:
     return "\n".join(rows)
 
 
-MEMORY_LIMIT = 6 << 30  # address space: a default sub-config of a giant (a vision tower) fails to build, not the machine
+MEMORY_LIMIT = 12 << 30  # address space: a default sub-config of a giant (a vision tower) fails to build, not the machine
 
 
 def main(argv: list[str]) -> None:
-    """``python tests/hf_zoo.py [--table | --json] [arch ...]``: progress on stderr; the README
-    table (``--table``) or every outcome as JSON (``--json``, what the test reads) on stdout."""
+    """``python tests/hf_zoo.py [--table] [--json=PATH] [arch ...]``: progress on stderr; the
+    README table (``--table``) on stdout; every outcome as JSON into PATH (what the test reads)."""
     import json
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
@@ -202,8 +203,9 @@ def main(argv: list[str]) -> None:
               file=sys.stderr, flush=True)
     if "--table" in argv:
         print(table(results))
-    if "--json" in argv:
-        print(json.dumps({n: vars(o) for n, o in results.items()}))
+    for path in [a.split("=", 1)[1] for a in argv if a.startswith("--json=")]:
+        with open(path, "w") as f:
+            json.dump({n: vars(o) for n, o in results.items()}, f)
 
 
 if __name__ == "__main__":

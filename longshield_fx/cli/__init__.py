@@ -1,4 +1,4 @@
-"""``longshield-fx``: command-line entry points (``train``, ``inspect``, ``plan``).
+"""``longshield-fx``: command-line entry points (``train``, ``audit``, ``inspect``, ``plan``).
 
 ``longshield-fx train`` trains a causal LM with DP-SGD on an embedded long-document corpus:
 this machine's Python standard library sources, read as bytes (a byte-level vocabulary of
@@ -14,6 +14,8 @@ escape hatch that voids the guarantee). Losses, timings, batch sizes and counts 
 and are written only under ``not_covered_by_dp``. Checkpoints (``checkpoints/ckpt-*.pt``) are
 SECRET: they hold the noise key and the sampling key.
 
+``longshield-fx audit`` runs that job once with canaries: the claimed ε beside an empirical lower bound.
+
 ``longshield-fx inspect`` builds the training graph for one batch and shows what the passes
 did: the pipeline, node counts, the per-sample rule of every parameter, the inserted
 collectives and their bytes, and one transformer block's rewritten graph (graphviz DOT/SVG).
@@ -27,7 +29,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import inspect, plan, train
+from . import audit, inspect, plan, train
 from .common import PROG, CLIError, Formatter, Parser, rank, under_torchrun
 
 __all__ = ["PROG", "CLIError", "build_parser", "main"]
@@ -38,8 +40,9 @@ def build_parser() -> Parser:
     class, so every usage error is one line), each setting ``func``."""
     parser = Parser(prog=PROG, description=__doc__.replace("``", ""), formatter_class=Formatter,
                     epilog="Errors print one line; set LONGSHIELD_FX_DEBUG=1 for the traceback.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,inspect,plan}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,audit,inspect,plan}")
     train.add_parser(sub)
+    audit.add_parser(sub)
     inspect.add_parser(sub)
     plan.add_parser(sub)
     return parser

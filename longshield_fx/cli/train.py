@@ -79,6 +79,12 @@ def _privacy_args(p) -> None:
 
 
 def _run_args(p) -> None:
+    _optimizer_corpus_device_args(p)
+    _output_args(p)
+
+
+def _optimizer_corpus_device_args(p) -> None:
+    """The run flags ``longshield-fx audit`` shares (it writes no checkpoints)."""
     p.add_argument("--lr", type=positive_float, default=2e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=nonneg_float, default=0.01, help="AdamW weight decay")
     p.add_argument("--max-files", type=nonneg_int, default=400,
@@ -86,6 +92,9 @@ def _run_args(p) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model and the compiled step run (cuda: NCCL under torchrun; written for the "
                    "CUDA attention kernels but not yet run on a GPU)")
+
+
+def _output_args(p) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default: runs/train, or the --resume directory). Its checkpoints/ are "
                    "SECRET: they hold the noise key and the sampling key")
@@ -132,6 +141,7 @@ class Job:
     elapsed_before: float = 0.0
     rows: list = field(default_factory=list)
     t_loop: float = 0.0
+    observe: object = None               # ``longshield-fx audit`` only: called with (job, logical) after finalize
 
     @property
     def rank0(self) -> bool:
@@ -231,7 +241,9 @@ def _decide_sigma(job: Job) -> dict | None:
     return state
 
 
-def _compile(job: Job) -> None:
+def _compile(job: Job, dataset=None) -> None:
+    """Engine, AdamW and the Poisson sampler over ``dataset`` (default: the corpus, one row per
+    document; ``longshield-fx audit`` passes the corpus plus its included canaries)."""
     import longshield_fx as lf
 
     from ..data import PoissonBatches
@@ -244,7 +256,8 @@ def _compile(job: Job) -> None:
                             checkpoint=None if args.checkpoint == "none" else args.checkpoint)
     job.opt = torch.optim.AdamW(job.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     # Built at the same point on every rank (its key is broadcast from rank 0); one row = one document.
-    job.batches = PoissonBatches(job.corpus.dataset(), sample_rate=job.q, physical_batch_size=args.physical_batch_size,
+    dataset = job.corpus.dataset() if dataset is None else dataset
+    job.batches = PoissonBatches(dataset, sample_rate=job.q, physical_batch_size=args.physical_batch_size,
                                  insecure_seed=args.insecure_seed, steps=args.steps)
 
 

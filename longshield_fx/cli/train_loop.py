@@ -59,15 +59,18 @@ def _one_step(job: Job, logical, step: int) -> dict:
     nonfinite_before = engine.nonfinite_samples
     # loss sum, predicted tokens, real tokens of this rank's real rows, non-finite samples (NOT covered by DP)
     stats = torch.zeros(4, dtype=torch.float64)
-    for (ids, labels), mask in mine:
+    for (ids, labels, *extra), mask in mine:  # extra: the audit's canary column; none in train
         real = mask.bool()
-        loss_sum = engine.accumulate(ids.to(job.device), labels.to(job.device), mask=mask.to(job.device))
+        loss_sum = engine.accumulate(ids.to(job.device), labels.to(job.device), *(t.to(job.device) for t in extra),
+                                     mask=mask.to(job.device))
         stats[0] += loss_sum.detach().double().cpu()
         stats[1] += int((labels[real, 1:] != -100).sum())
         stats[2] += int((labels[real] != -100).sum())
     # cp ranks of a dp group count the same samples (norms are all-reduced over cp): sum over dp only
     stats[3] = engine.nonfinite_samples - nonfinite_before
     engine.finalize(logical)  # every dp rank, with the same logical batch: q and E[B] from the sampler
+    if job.observe is not None:  # the audit reads the released gradient before the optimizer step
+        job.observe(job, logical)
     job.opt.step()
     job.opt.zero_grad(set_to_none=True)
     if dp > 1:

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import torch.fx as fx
 
 from ..capture import CapturedGraph
-from . import batch_rules, batch_rules_indexing  # noqa: F401  (register the batch rule of each aten op)
+from . import batch_rules, batch_rules_indexing, per_sample_rules  # noqa: F401  (register the rules of each aten op)
 from ._context import CP_SHARD_DIM, PER_SAMPLE_RULE, PassContext
 from .batch_dims import batch_dims
 from .checkpoint import checkpoint

@@ -80,7 +80,8 @@ def permutation(node: fx.Node) -> list[int]:
 
 
 _POINTWISE_EXTRA = {aten._to_copy.default, aten.detach.default, aten.alias.default,
-                    aten.copy.default, aten.lift_fresh_copy.default, aten.contiguous.default}
+                    aten.copy.default, aten.lift_fresh_copy.default, aten.contiguous.default,
+                    aten.floor_divide.default, aten.floor_divide.Scalar}
 # Elementwise activation backwards that aten does not tag pointwise.
 _POINTWISE_EXTRA |= {getattr(aten, f"{name}_backward").default for name in (
     "softplus", "gelu", "silu", "elu", "leaky_relu", "hardtanh", "hardswish", "hardsigmoid", "mish", "logit")}

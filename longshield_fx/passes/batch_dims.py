@@ -25,7 +25,10 @@ sample; its rules are maintained for distributed correctness, which is exactly "
 sample's rows are computed from that sample's rows". Still needing a hand rule: ops DTensor
 has no strategy for (refused by name, ``register_batch_rule`` adds one).
 
-Guarantees: in the forward, no op combines rows of different samples; otherwise
+Ops whose values reach no output of the graph (those feeding only run-time assertions, such
+as a check on the longest sequence of the batch) are tagged ``None`` unchecked.
+
+Guarantees: in the forward, no op that a value of the step depends on combines rows of different samples; otherwise
 ``UnsupportedModelError`` names the op and the module it came from. In the backward, a
 reduction over the batch dimension is allowed and tagged ``None``: those are the
 weight-gradient reductions the ``per_sample`` pass rewrites. Forward and backward, no
@@ -81,13 +84,28 @@ def batch_dims(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     f"(size {B}) as dimension 0")
             tag = BatchDim(0, 1)
         ph.meta["batch_dim"] = tag
+    live = _reaching_outputs(gm.graph)
     for node in gm.graph.nodes:
         if node.op != "call_function":
+            continue
+        if node not in live:  # feeds only run-time assertions: no value of the step depends on it
+            node.meta["batch_dim"] = None
             continue
         node.meta["batch_dim"] = _tag(node, B)
         if node.meta["batch_dim"] is None and val(node) is not None:
             node.meta["varies"] = variation(node)
     return gm
+
+
+def _reaching_outputs(graph: fx.Graph) -> set[fx.Node]:
+    live, stack = set(), [graph.output_node()]
+    while stack:
+        node = stack.pop()
+        for x in node.all_input_nodes:
+            if x not in live:
+                live.add(x)
+                stack.append(x)
+    return live
 
 
 class Mixing(Exception):

@@ -16,8 +16,8 @@ import torch.fx as fx
 from ..errors import UnsupportedModelError
 from ._graph import (ATTENTION_BATCHED_OUTPUTS, CONSTANT_LIKE, REDUCTIONS, module_of, norm_dim, permutation,
                      reduced_dims, val)
-from .batch_dims import (BatchDim, Mixing, RowPosition, batch_dim, broadcast_aligned, no_rule, register_batch_rule,
-                         single_tag, untagged, weights_only)
+from .batch_dims import (BatchDim, Mixing, RowPosition, batch_dim, broadcast_aligned, pointwise_rule,
+                         register_batch_rule, single_tag, untagged, weights_only)
 
 aten = torch.ops.aten
 
@@ -367,3 +367,15 @@ def _dropout(node, B):
 
 
 register_batch_rule(aten.native_dropout_backward.default)(lambda node, B: batch_dim(node.args[0]))
+
+
+@register_batch_rule(aten.log_sigmoid_forward.default)
+def _log_sigmoid(node, B):
+    tag = batch_dim(node.args[0])
+    buffer = node.meta["val"][1]  # the CPU kernel's elementwise buffer; empty on CUDA
+    return (tag, tag if buffer.shape == node.meta["val"][0].shape else None)
+
+
+@register_batch_rule(aten.log_sigmoid_backward.default)
+def _log_sigmoid_backward(node, B):
+    return pointwise_rule(node, B) if batch_dim(node.args[2]) is not None else single_tag(node)

@@ -32,6 +32,11 @@ from longshield_fx.cli.common import Formatter, Parser
     (["train", "--resume", "no/such/run"], "--resume: no such directory"),
     (["train", "--sigma", "-1"], "--sigma: must be >= 0"),
     (["train", "--sigma", "1", "--target-epsilon", "3"], "not allowed with argument"),
+    (["audit", "--canaries", "0"], "--canaries: must be > 0"),
+    (["audit", "--kind", "grey"], "invalid choice: 'grey'"),
+    (["audit", "--confidence", "1.5"], "--confidence: must be in (0, 1)"),
+    (["audit", "--resume", "runs/train"], "unrecognized arguments: --resume"),
+    (["audit", "--cp", "2", "-T", "64"], "audit runs in one process"),
     (["train", "-T", "1"], "--seq-len must be >= 2"),
     (["inspect", "--timeline", "TPU"], "invalid choice: 'TPU'"),
 ])
@@ -42,7 +47,7 @@ def test_bad_flags_exit_nonzero_with_one_line(argv, says, capsys, tmp_path, monk
     except SystemExit as e:  # argparse's own errors
         code = e.code
     err = capsys.readouterr().err.strip()
-    assert code not in (0, None)
+    assert code == 2
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert says in err and err.startswith("longshield-fx"), err
     assert not (tmp_path / "runs").exists()  # nothing written
@@ -100,7 +105,7 @@ def test_the_default_check_rejects_a_flag_that_hides_its_default():
 
 def test_every_flag_of_every_subcommand_prints_its_default(capsys):
     subs = subparsers(cli.build_parser())
-    assert set(subs) == {"train", "inspect", "plan"}
+    assert set(subs) == {"train", "audit", "inspect", "plan"}
     for name, sub in subs.items():
         assert undocumented_defaults(sub) == [], name
         with pytest.raises(SystemExit) as e:
@@ -121,4 +126,4 @@ def test_python_m_and_the_console_script_are_one_program(tmp_path, capsys):
         assert res.stderr.startswith("longshield-fx train: error: ")
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])
-    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: longshield-fx [-h] {train,inspect,plan}")
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: longshield-fx [-h] {train,audit,inspect,plan}")

@@ -1,0 +1,162 @@
+"""``longshield-fx audit``: the training job of ``longshield-fx train``, run once with canaries,
+and the claimed ε beside the empirical one-run lower bound (Steinke, Nasr and Jagielski 2023).
+
+The run is train's (same flags, corpus, σ, sampler, loop: ``train_loop.run_steps``) with m
+canaries, each included by a secret fair coin: white-box gradient canaries (an audit parameter
+added to the model for this run only) or black-box random byte sequences. Nothing here runs in
+``train``: the audit library is imported only by this command.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+
+from .checkpoints import checkpoint_dir
+from .common import CLIError, Formatter, add_model_args, build_model, positive_int, say
+from .corpus import PRIVACY_UNIT
+from .train import (Job, _announce, _check_args, _compile, _decide_sigma, _load_corpus, _open_run_dir,
+                    _optimizer_corpus_device_args, _privacy_args)
+
+DESCRIPTION = (
+    "Empirical privacy audit in one training run. Runs the job of 'longshield-fx train' (same flags,\n"
+    "corpus, calibrated σ, Poisson sampling, DP-SGD loop) with --canaries m extra rows, each included\n"
+    "independently with probability 1/2 by a secret coin, then guesses from what the run released\n"
+    "which canaries were in and turns the right guesses into a lower bound on ε at --confidence\n"
+    "(Steinke, Nasr and Jagielski, 'Privacy auditing with one training run', NeurIPS 2023; the best of\n"
+    "14 guess sets fixed in advance, Bonferroni-corrected). Prints the claimed ε (the accountant's, at\n"
+    "the job's δ) and the bound side by side.\n\n"
+    "--kind white: gradient canaries. An audit parameter of m coordinates is added to the model for this\n"
+    "run only; canary j's per-sample gradient is C times the j-th unit vector (at the clipping threshold,\n"
+    "where no document has a gradient), scored from the released noisy gradient of that coordinate at\n"
+    "every step (the likelihood ratio of Poisson-sampled against absent, from the public q and σ). It\n"
+    "audits the engine's clipping, noise and sampling for any model.\n"
+    "--kind black: random byte sequences of T bytes (every label random), scored by how much their loss\n"
+    "fell during training: the whole pipeline as a user runs it, and a much weaker attack.\n\n"
+    "A bound above the claimed ε means the run is less private than claimed (a bug); a bound below it\n"
+    "proves nothing about the claim's tightness: one run with m canaries cannot show much more than\n"
+    "ln(m) whatever the truth. The canaries are in this run's model only; 'train' never adds any.\n\n"
+    "Writes to --out: audit.json (claimed ε, bound, the guesses behind it, the run's public settings),\n"
+    "audit_scores.png (score histograms of included and excluded canaries), metrics.jsonl and\n"
+    "signature.json as train does. No checkpoints and no final model: the audit's model holds canaries.")
+
+
+def add_parser(sub) -> None:
+    a = sub.add_parser("audit", formatter_class=Formatter, description=DESCRIPTION,
+                       help="empirical ε lower bound from one training run with canaries")
+    add_model_args(a, seq_len_default=2048)
+    a.set_defaults(physical_batch_size=4, func=audit, resume=None, save_every=0, keep_checkpoints=1)
+    _privacy_args(a)
+    _optimizer_corpus_device_args(a)
+    a.add_argument("--out", default="runs/audit", metavar="DIR", help="output directory")
+    a.add_argument("--canaries", type=positive_int, default=1000, metavar="M",
+                   help="canaries m; each is one extra row, included with probability 1/2")
+    a.add_argument("--kind", choices=["white", "black"], default="white",
+                   help="white: gradient canaries in an audit parameter; black: random byte sequences")
+    a.add_argument("--confidence", type=_confidence, default=0.95, metavar="P",
+                   help="confidence of the lower bound, in (0, 1)")
+
+
+def _confidence(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
+def audit(args) -> int:
+    """Validate, build the corpus, model and canaries, run train's loop, score, report."""
+    from ..audit import draw_canaries
+    from .train_loop import run_steps
+
+    if args.cp != 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise CLIError("audit runs in one process: drop --cp and torchrun")
+    job = Job(args, time.time())
+    _check_args(job)
+    _load_corpus(job)
+    base, job.model_desc, job.model_name = build_model(args)
+    job.device = torch.device(args.device)
+    base.to(job.device)
+    # Drawn before training from their own secret stream (or --insecure-seed's, for tests).
+    canaries = draw_canaries(args.canaries, args.kind, seq_len=args.seq_len, insecure_seed=args.insecure_seed)
+    scoring = _Scoring(job, base, canaries)
+    _decide_sigma(job)
+    scoring.start(job)
+    _open_run_dir(job)
+    _announce(job)
+    say(f"audit: {canaries.m} {args.kind}-box canaries, each one extra row included by a secret fair coin; "
+        f"the gradient divisor is the public E[B] = {job.batches.expected_batch_size:g} (counting m/2 canaries)")
+    run_steps(job)
+    return _report(job, canaries, scoring.finish())
+
+
+class _Scoring:
+    """The audit's model and dataset around ``base``, and the canaries' scores."""
+
+    def __init__(self, job: Job, base, canaries):
+        from ..audit import WhiteBoxCanaries
+
+        self.base, self.canaries, self.white = base, canaries, canaries.kind == "white"
+        job.model = WhiteBoxCanaries(base, canaries.m, job.args.max_grad_norm).to(job.device) if self.white else base
+        self.before = self.recorder = None
+
+    def start(self, job: Job) -> None:
+        """Compile over the corpus plus the included canaries; have the loop hand over each
+        step's released gradient (white-box) or score the canaries once before training."""
+        from torch.utils.data import TensorDataset
+
+        from ..audit import PublicDivisor, WhiteBoxScores, canary_losses, training_rows
+
+        corpus = job.corpus
+        null_row = (corpus.ids[0], torch.full_like(corpus.ids[0], -100))  # white-box rows: no token loss
+        _compile(job, TensorDataset(*training_rows((corpus.ids, corpus.labels), self.canaries, null_row)))
+        job.batches = PublicDivisor(job.batches, job.q * (corpus.num_documents + self.canaries.m / 2))
+        if self.white:
+            self.recorder = WhiteBoxScores(self.canaries.m, noise_multiplier=job.sigma, sample_rate=job.q,
+                                           max_grad_norm=job.args.max_grad_norm)
+            job.observe = lambda job, logical: self.recorder.observe(job.model.canary_directions.grad,
+                                                                    logical.expected_size)
+        else:
+            self.before = canary_losses(self.base, self.canaries.ids)
+
+    def finish(self):
+        """White-box: the summed log-likelihood ratios; black-box: loss before minus after."""
+        from ..audit import canary_losses
+
+        return self.recorder.scores if self.white else self.before - canary_losses(self.base, self.canaries.ids)
+
+
+def _report(job: Job, canaries, scores) -> int:
+    """The bound at the job's δ, printed beside the claimed ε; audit.json and the histogram."""
+    from ..audit import AuditReport, audit_bound, write_report
+
+    args = job.args
+    included = canaries.included.numpy()
+    claimed = job.engine.epsilon(job.delta)
+    run = {"command": "longshield-fx audit", "privacy_unit": "document (add/remove one document); a canary is one "
+           "row", "noise_multiplier": job.sigma, "sample_rate": job.q, "steps": args.steps,
+           "max_grad_norm": args.max_grad_norm, "clipping": args.clipping, "accountant": args.accountant,
+           "documents": job.corpus.num_documents, "seq_len": args.seq_len, "model": job.model_name,
+           "expected_batch_size": job.batches.expected_batch_size, "insecure_seed": args.insecure_seed,
+           "wall_s": round(time.time() - job.t_start, 1)}
+    report = AuditReport(canaries.kind, claimed, audit_bound(scores, included, job.delta, args.confidence), scores,
+                         included, run)
+    summary, png = write_report(report, job.run_dir, title=f"{job.model_name}, T={args.seq_len}, σ={job.sigma:.3g}, "
+                                f"q={job.q:.3g}, {args.steps} steps, {canaries.m} {canaries.kind}-box canaries")
+    verdict = ("ABOVE the claimed ε: this run is less private than claimed" if report.bound.epsilon > claimed else
+               "below the claimed ε: no violation found (a lower bound; it does not show the claim is tight)")
+    say(f"audit: {report.line()}; {verdict}")
+    say(f"privacy: ε = {claimed:.3f} {PRIVACY_UNIT}, δ = {job.delta:.3g}, {args.accountant.upper()} accountant "
+        f"(σ = {job.sigma:.4g}, q = {job.q:.4g}, {args.steps} steps)"
+        + (f"; VOID: --insecure-seed {args.insecure_seed} made the noise, the sampling and the coins public"
+           if args.insecure_seed is not None else ""))
+    say(f"wrote {summary}, {png}, {job.metrics_path}")
+    with contextlib.suppress(OSError):  # train's run directory comes with an empty checkpoints/: none here
+        checkpoint_dir(job.run_dir).rmdir()
+    return 0

@@ -1,0 +1,265 @@
+"""The per-sample rules of the ``per_sample`` pass, one per gradient op (see its docstring):
+weight-gradient reductions over the batch rewritten to keep it (linear, grouped linear, sums,
+norms, embeddings and per-token expert weights as sparse rows, convolutions), and the ops
+between such a reduction and a parameter's gradient output, applied to each sample's piece.
+Registered when ``longshield_fx.passes`` is imported; users add theirs with
+``longshield_fx.per_sample_rule``.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedModelError
+from ._graph import permutation, val
+from .batch_dims import BatchDim, batch_dim
+from .per_sample import PerSampleGrad, Rewriter, _dense, _input_rep, per_sample_rule
+
+aten = torch.ops.aten
+
+
+def _contraction(labels_a: str, labels_b: str, labels_out: str):
+    """The rule for a matmul whose contracted dim ``k`` holds the folded batch (B*T rows):
+    the same contraction as an einsum that keeps ``b``. ``mm`` is "mk,kn->mn"; ``bmm`` with
+    a leading group dim (grouped linear layers) "gmk,gkn->gmn"."""
+
+    def rule(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+        a, b = node.args
+        if batch_dim(a) is None and batch_dim(b) is None:  # a piece already reduced upstream
+            if a in rw.batch_derived and b not in rw.batch_derived:
+                return _dense(rw, node, rw.call(aten.matmul.default, _input_rep(rw, node, a), b))
+            if b in rw.batch_derived and a not in rw.batch_derived:
+                return _dense(rw, node, rw.call(aten.matmul.default, a, _input_rep(rw, node, b)))
+            raise UnsupportedModelError(f"parameter {rw.param!r}: product of two gradient pieces at {node.name}")
+        operands = [_contracted_operand(rw, node, x, labels) for x, labels in ((a, labels_a), (b, labels_b))]
+        (xa, la), (xb, lb) = operands
+        return _dense(rw, node, rw.call(aten.einsum.default, f"{la},{lb}->b{labels_out}", [xa, xb]))
+
+    return rule
+
+
+def _contracted_operand(rw: Rewriter, node: fx.Node, x: fx.Node, labels: str) -> tuple[fx.Node, str]:
+    """``x`` unfolded to (B, ...) with its einsum labels; looks through a transpose of a tagged tensor."""
+    if x.target in (aten.t.default, aten.transpose.int, aten.permute.default) and batch_dim(x.args[0]) is not None:
+        perm = permutation(x)
+        x, labels = x.args[0], "".join(labels[perm.index(j)] for j in range(len(labels)))
+    tag = batch_dim(x)
+    if tag is None:
+        raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} contracts per-sample data with shared data")
+    if labels[tag.dim] != "k":
+        raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} keeps the batch in an output dim")
+    xu, _ = rw.unfold(x)
+    return xu, "b" + labels[: tag.dim] + ("t" if tag.inner != 1 else "") + labels[tag.dim + 1:]
+
+
+per_sample_rule(aten.mm.default, name="linear")(_contraction("mk", "kn", "mn"))
+per_sample_rule(aten.bmm.default, name="grouped_linear")(_contraction("gmk", "gkn", "gmn"))
+
+
+@per_sample_rule(aten.sum.dim_IntList, aten.sum.default, name="sum")
+def _sum(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    x = node.args[0]
+    rank = val(x).dim()
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] else list(range(rank))
+    dims = [d % rank for d in dims] if rank else []
+    out_shape = list(val(node).shape)
+    if batch_dim(x) is not None:
+        if batch_dim(x).dim not in dims:
+            raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} keeps the batch dimension")
+        return _dense(rw, node, rw.per_sample_sum(x, dims, out_shape))
+    keepdim = len(node.args) > 2 and node.args[2]
+    y = rw.call(aten.sum.dim_IntList, _input_rep(rw, node, x), [d + 1 for d in dims], keepdim)
+    return _dense(rw, node, y)
+
+
+@per_sample_rule((aten.native_layer_norm_backward.default, 1), (aten.native_layer_norm_backward.default, 2),
+                 name="layer_norm")
+def _layer_norm(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    grad_out, x, normalized_shape, mean, rstd = node.args[0].args[:5]
+    lead = list(range(val(x).dim() - len(normalized_shape)))
+    if node.args[1] == 1:  # weight: sum over leading dims of grad * x_hat
+        x_hat = rw.call(aten.mul.Tensor, rw.call(aten.sub.Tensor, x, mean), rstd)
+        x_hat.meta["batch_dim"] = batch_dim(x)
+        piece = rw.call(aten.mul.Tensor, grad_out, x_hat)
+        piece.meta["batch_dim"] = batch_dim(x)
+    else:
+        piece = grad_out
+    return _dense(rw, node, rw.per_sample_sum(piece, lead, list(val(node).shape)))
+
+
+@per_sample_rule(aten.embedding_dense_backward.default, name="embedding")
+def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    grad, indices, num_weights, padding_idx, scale_grad_by_freq = node.args
+    if scale_grad_by_freq:
+        raise UnsupportedModelError(
+            f"parameter {rw.param!r}: embedding with scale_grad_by_freq=True scales by in-batch counts, "
+            "which mixes samples. Way out: scale_grad_by_freq=False.")
+    B = rw.B
+    H = val(node).shape[1]
+    if batch_dim(grad) is not None:
+        values, _ = rw.unfold(grad)
+    else:
+        values = _input_rep(rw, node, grad)
+    n = val(values).numel() // (B * H)
+    values = rw.rows(values, [B, n, H])
+    if batch_dim(indices) is not None:
+        ids, _ = rw.unfold(indices)
+        ids = rw.rows(ids, [B, n])
+    elif val(indices).numel() == B * n:  # ids shared by the samples but laid out per row (OPT's positions)
+        ids = rw.call(aten.reshape.default, indices, [B, n])
+    else:
+        ids = rw.call(aten.expand.default, rw.call(aten.view.default, indices, [1, n]), [B, n])
+    if padding_idx is not None and padding_idx >= 0:
+        is_pad = rw.call(aten.unsqueeze.default, rw.call(aten.eq.Scalar, ids, padding_idx), 2)
+        values = rw.call(aten.mul.Tensor, values, rw.call(aten.logical_not.default, is_pad))
+    return PerSampleGrad(tuple(val(node).shape), None, ((ids, values),))
+
+
+_ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+
+
+@per_sample_rule(aten.index_put.default, aten._index_put_impl.default, name="indexed_rows")
+def _index_put(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """A table read at per-sample indices (``w[ids]``, e.g. MoE expert weights): its gradient
+    adds each read's gradient into the row it read, kept as sparse rows per sample."""
+    table, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    ids = indices[0] if len(indices) == 1 else None
+    if not accumulate or ids is None or batch_dim(ids) is None or batch_dim(values) is None:
+        raise UnsupportedModelError(
+            f"parameter {rw.param!r}: {node.name} writes into the gradient other than by adding rows at "
+            "per-sample indices; no per-sample rule covers it. Way out: freeze the parameter.")
+    if table.target in _ZEROS:
+        base = PerSampleGrad(tuple(val(node).shape))
+    elif table in rw.batch_derived:
+        base = rw.rep(table)
+    else:
+        raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} adds rows into a constant table")
+    ids_u, _ = rw.unfold(ids)
+    values_u, _ = rw.unfold(values)
+    n = val(ids_u).numel() // rw.B
+    rows = (rw.rows(ids_u, [rw.B, n]), rw.rows(values_u, [rw.B, n, *val(node).shape[1:]]))
+    return rw.add(base, PerSampleGrad(tuple(val(node).shape), None, (rows,)))
+
+
+@per_sample_rule((aten.convolution_backward.default, 1), (aten.convolution_backward.default, 2), name="conv")
+def _conv(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """Per-sample conv weight gradients as ONE grouped convolution_backward: the batch folded
+    into the channels (B*groups groups), so sample b's input only meets its own output grad.
+    Bias: the output gradient summed over positions."""
+    conv = node.args[0]
+    grad, x, weight, _, stride, padding, dilation, transposed, output_padding, groups = conv.args[:10]
+    B = rw.B
+    if transposed or batch_dim(grad) != BatchDim(0, 1) or batch_dim(x) != BatchDim(0, 1):
+        raise UnsupportedModelError(
+            f"parameter {rw.param!r}: no per-sample rule for a transposed convolution or one over a "
+            f"folded batch ({conv.name}). Way out: freeze the parameter.")
+    if node.args[1] == 2:
+        return _dense(rw, node, rw.call(aten.sum.dim_IntList, grad, list(range(2, val(grad).dim()))))
+    w_shape = list(val(weight).shape)
+    folded = [rw.call(aten.reshape.default, t, [1, B * val(t).shape[1], *val(t).shape[2:]]) for t in (grad, x)]
+    weights = rw.call(aten.repeat.default, weight, [B] + [1] * (len(w_shape) - 1))
+    both = rw.call(aten.convolution_backward.default, *folded, weights, None, stride, padding, dilation,
+                   False, output_padding, B * groups, [False, True, False])
+    per_sample = rw.call(operator.getitem, both, 1)
+    return _dense(rw, node, rw.view(per_sample, [B, *w_shape]))
+
+
+# --- ops between a reduction and the gradient output, applied per sample ---------------
+
+@per_sample_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, name="view")
+def _view(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    g = rw.rep(node.args[0])
+    shape = list(val(node).shape)
+    if g.rows and list(g.shape) == shape:
+        return g
+    return _dense(rw, node, rw.view(rw.densify(g), [rw.B, *shape]))
+
+
+@per_sample_rule(aten.t.default, aten.transpose.int, aten.permute.default, name="transpose")
+def _transpose(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    x = rw.densify(rw.rep(node.args[0]))
+    return _dense(rw, node, rw.permute(x, [0] + [p + 1 for p in permutation(node)]))
+
+
+@per_sample_rule(aten.add.Tensor, name="add")
+def _add(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    a, b = node.args[:2]
+    if len(node.args) > 2 or node.kwargs.get("alpha", 1) != 1:
+        raise UnsupportedModelError(f"parameter {rw.param!r}: add with alpha at {node.name}")
+    return rw.add(rw.rep(a), rw.rep(b))
+
+
+@per_sample_rule(aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, name="scale")
+def _scale(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    a, b = node.args[:2]
+    if isinstance(b, fx.Node) and b in rw.batch_derived:
+        if node.target in (aten.div.Tensor, aten.div.Scalar) or a in rw.batch_derived:
+            raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} divides/multiplies gradient pieces")
+        a, b = b, a
+    if isinstance(b, fx.Node) and val(b) is not None and val(b).dim() > 0:
+        x = rw.densify(rw.rep(a))
+        return _dense(rw, node, rw.call(node.target, x, b))
+    g = rw.rep(a)
+    dense = rw.call(node.target, g.dense, b) if g.dense is not None else None
+    rows = tuple((i, rw.call(node.target, v, b)) for i, v in g.rows)
+    return PerSampleGrad(g.shape, dense, rows)
+
+
+@per_sample_rule(aten.neg.default, name="scale")
+def _neg(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    g = rw.rep(node.args[0])
+    dense = rw.call(aten.neg.default, g.dense) if g.dense is not None else None
+    return PerSampleGrad(g.shape, dense, tuple((i, rw.call(aten.neg.default, v)) for i, v in g.rows))
+
+
+@per_sample_rule(aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default,
+                 name="cast")
+def _cast(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    g = rw.rep(node.args[0])
+    dense = rw.call(node.target, g.dense, *node.args[1:], **node.kwargs) if g.dense is not None else None
+    rows = tuple((i, rw.call(node.target, v, *node.args[1:], **node.kwargs)) for i, v in g.rows)
+    return PerSampleGrad(g.shape, dense, rows)
+
+
+@per_sample_rule(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, name="view")
+def _squeeze(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    x = rw.densify(rw.rep(node.args[0]))
+    return _dense(rw, node, rw.view(x, [rw.B, *val(node).shape]))
+
+
+@per_sample_rule(aten.cat.default, aten.stack.default, name="view")
+def _cat(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """Pieces of a parameter's gradient laid side by side (hyper-connection weights)."""
+    pieces = node.args[0]
+    if not all(p in rw.batch_derived for p in pieces):
+        raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} joins gradient pieces with constants")
+    dim = node.args[1] if len(node.args) > 1 else 0
+    dense = [rw.densify(rw.rep(p)) for p in pieces]
+    return _dense(rw, node, rw.call(node.target, dense, dim % val(node).dim() + 1))
+
+
+@per_sample_rule(aten.slice.Tensor, aten.select.int, name="view")
+def _slice(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    x = rw.densify(rw.rep(node.args[0]))
+    dim = node.args[1] % val(node.args[0]).dim() if len(node.args) > 1 else 0
+    return _dense(rw, node, rw.call(node.target, x, dim + 1, *node.args[2:]))
+
+
+@per_sample_rule(aten.slice_backward.default, aten.select_backward.default, name="view")
+def _slice_backward(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """A parameter used through a slice or an index: its gradient zero-padded back to size."""
+    grad, sizes, dim, *rest = node.args
+    x = rw.densify(rw.rep(grad))
+    return _dense(rw, node, rw.call(node.target, x, [rw.B, *sizes], dim % len(sizes) + 1, *rest))
+
+
+@per_sample_rule(aten.expand.default, name="view")
+def _expand(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """A parameter broadcast in the forward (e.g. ``w.sum()`` used by every sample)."""
+    x = rw.densify(rw.rep(node.args[0]))
+    lead = [rw.B] + [1] * (val(node).dim() - val(node.args[0]).dim())
+    x = rw.view(x, lead + list(val(node.args[0]).shape))
+    return _dense(rw, node, rw.call(aten.expand.default, x, [rw.B, *val(node).shape]))
