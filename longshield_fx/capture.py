@@ -3,7 +3,10 @@
 The captured graph is flat: ``gm(*params, *buffers, *inputs, loss_cotangent)`` returns
 ``(per_sample_loss, *grads)`` with one grad per trainable parameter, in
 ``CapturedGraph.param_names`` order. Frozen parameters (``requires_grad=False``) are
-inputs like buffers and get no gradient and no per-sample work.
+inputs like buffers and get no gradient and no per-sample work. Parameters are named as
+``named_parameters`` names them: a tied weight's shares under its other names are summed.
+A trainable parameter the loss never reaches gets a ``zeros_like`` gradient (and a warning).
+A forward dynamo cannot trace into one graph raises ``UnsupportedModelError``.
 
 The route (see ../shared/TORCH_NOTES.md): dynamo captures the module with node metadata
 preserved, so forward nodes carry ``nn_module_stack`` and backward nodes
