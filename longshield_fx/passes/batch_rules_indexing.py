@@ -57,18 +57,11 @@ def _take(node, B):
 
 # --- gather / scatter: the index has the rank of the data, dims correspond one to one ---------
 
-def _same_tag(node, tensors) -> BatchDim:
-    tags = {batch_dim(t) for t in tensors if batch_dim(t) is not None}
-    if len(tags) != 1:
-        raise Mixing(f"its operands hold samples in different dimensions {sorted(tags, key=str)}")
-    return tags.pop()
-
-
 @register_batch_rule(aten.gather.default)
 def _gather(node, B):
     """out[..., i, ...] = self[..., index[..., i, ...], ...] along ``dim``."""
     self, dim, index = node.args[:3]
-    tag = _same_tag(node, (self, index))
+    tag = single_tag(node)
     if norm_dim(dim, val(node).dim()) == tag.dim:
         raise RowPosition(_MOVES_ROWS)
     if val(node).shape[tag.dim] != B * tag.inner:
@@ -79,8 +72,7 @@ def _gather(node, B):
 @register_batch_rule(aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two)
 def _scatter(node, B):
     """Writes ``src`` (or a value) into ``self`` at ``index`` along ``dim``."""
-    tensors = [a for a in node.args if isinstance(a, fx.Node)]
-    tag = _same_tag(node, tensors)
+    tag = single_tag(node)
     if norm_dim(node.args[1], val(node).dim()) == tag.dim:
         raise RowPosition(_MOVES_ROWS)
     if val(node).shape[tag.dim] != B * tag.inner:
@@ -102,7 +94,7 @@ def _stack(node, B):
     tensors = node.args[0]
     if any(batch_dim(t) is None for t in tensors):
         raise Mixing("stacks per-sample data with data shared by all samples")
-    tag = _same_tag(node, tensors)
+    tag = single_tag(node)
     dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, val(node).dim())
     return BatchDim(tag.dim + (dim <= tag.dim), tag.inner)
 
