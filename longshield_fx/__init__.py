@@ -1,7 +1,8 @@
 """longshield_fx: differentially private training of long-context models by graph rewriting.
 
 Public API: ``compile``, ``DPConfig``, ``CausalLMLoss``, ``calibrate_noise``,
-``per_sample_rule``, ``UnsupportedModelError`` and ``data.PoissonBatches``.
+``per_sample_rule``, ``UnsupportedModelError``, ``data.PoissonBatches`` and
+``documents.load_documents`` (imported on use: ``from longshield_fx.documents import ...``).
 """
 from . import data
 from .api import compile

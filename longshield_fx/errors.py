@@ -9,3 +9,8 @@ class UnsupportedModelError(RuntimeError):
     per-sample rule knows. We never fall back to an approximation: a silently wrong
     per-sample gradient is a silently wrong privacy guarantee.
     """
+
+
+class DataError(ValueError):
+    """The user's documents cannot be loaded as asked (a missing or unreadable path, a bad
+    line, nothing usable): the message names the file (and line) and what is accepted."""

@@ -15,10 +15,11 @@ from torch import nn
 
 
 def _is_hf_model(model: nn.Module) -> bool:
-    # A Hugging Face model can only exist if transformers is already imported, so checking
-    # sys.modules avoids making transformers a dependency.
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+    # A Hugging Face (or peft-wrapped) model can only exist if its package is already imported,
+    # so checking sys.modules avoids making transformers or peft a dependency.
+    transformers, peft = sys.modules.get("transformers"), sys.modules.get("peft")
+    return (transformers is not None and isinstance(model, transformers.PreTrainedModel)) or \
+        (peft is not None and isinstance(model, peft.PeftModel))
 
 
 class CausalLMLoss(nn.Module):
@@ -37,6 +38,12 @@ class CausalLMLoss(nn.Module):
     called with ``use_cache=False`` so no cache is built). It is kept as ``self.lm``, so
     parameter names are ``lm.<name>``. ``position_ids``, if given, are passed to ``lm``; they
     set positions only, never sequence boundaries: the whole row is one causal sequence.
+
+    A sample may span several rows: with (B, R, T) inputs sample i is the R rows ``[i]`` (a
+    long document split into rows, or all documents of one person), each row its own causal
+    sequence, and entry i sums the token losses of all R rows. The rows are folded into the
+    batch as (B*R, T) inside the graph, so the per-sample gradient and its clipping cover
+    the whole unit. All-padding rows (labels -100) contribute exactly 0.
     """
 
     def __init__(self, lm: nn.Module):
@@ -46,14 +53,18 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        kwargs = {} if position_ids is None else {"position_ids": position_ids}
-        if self.is_hf:
-            kwargs["use_cache"] = False
-            if position_ids is not None:
+        B, rows = input_ids.shape[0], _rows(input_ids, labels)
+        input_ids, labels = _fold(input_ids, rows), _fold(labels, rows)
+        kwargs = {}
+        if position_ids is not None:
+            kwargs["position_ids"] = _fold(position_ids, rows)
+            if self.is_hf:
                 # Without an attention_mask, transformers 5 reads any position step other than +1
                 # as the start of a new packed sequence and blocks attention across it; here
                 # positions only place tokens (e.g. a shard's global positions), as in Llama.
                 kwargs["attention_mask"] = torch.ones_like(input_ids)
+        if self.is_hf:
+            kwargs["use_cache"] = False
         out = self.lm(input_ids, **kwargs)
         logits = out if isinstance(out, torch.Tensor) else out.logits
         logits = logits[:, :-1].float()
@@ -61,7 +72,24 @@ class CausalLMLoss(nn.Module):
         # intermediate tensor; flattening to (B*T, V) would merge it with the sequence dim.
         token_loss = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:],
                                      reduction="none", ignore_index=-100)
-        return token_loss.sum(dim=1)
+        return _per_sample(token_loss, B, rows)
+
+
+def _fold(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t.flatten(0, 1) if rows else t
+
+
+def _per_sample(token_loss: torch.Tensor, B: int, rows: int) -> torch.Tensor:
+    per_row = token_loss.sum(dim=1)
+    return per_row.reshape(B, -1).sum(dim=1) if rows else per_row
+
+
+def _rows(input_ids: torch.Tensor, labels: torch.Tensor) -> int:
+    """1 for (B, R, T) batches (fold the R rows of a sample into the batch), 0 for (B, T)."""
+    if input_ids.dim() not in (2, 3) or labels.shape != input_ids.shape:
+        raise ValueError(f"CausalLMLoss: input_ids and labels must both be (B, T) or (B, R, T), got "
+                         f"{tuple(input_ids.shape)} and {tuple(labels.shape)}")
+    return input_ids.dim() - 2
 
 
 class ShardedCausalLMLoss(nn.Module):
@@ -80,15 +108,17 @@ class ShardedCausalLMLoss(nn.Module):
         self.is_hf = loss.is_hf
 
     def forward(self, input_ids, shifted_labels, position_ids):
-        kwargs = {"position_ids": position_ids}
+        B, rows = input_ids.shape[0], _rows(input_ids, shifted_labels)
+        input_ids, shifted_labels = _fold(input_ids, rows), _fold(shifted_labels, rows)
+        kwargs = {"position_ids": _fold(position_ids, rows)}
         if self.is_hf:
             kwargs.update(use_cache=False, attention_mask=torch.ones_like(input_ids))
         out = self.lm(input_ids, **kwargs)
         logits = (out if isinstance(out, torch.Tensor) else out.logits).float()
         token_loss = F.cross_entropy(logits.transpose(1, 2), shifted_labels, reduction="none", ignore_index=-100)
-        return token_loss.sum(dim=1)
+        return _per_sample(token_loss, B, rows)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """labels[:, 1:] with -100 appended: position t predicts token t+1, the last nothing."""
-    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    """labels[..., 1:] with -100 appended: position t predicts token t+1, the last nothing."""
+    return torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)

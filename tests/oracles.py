@@ -124,6 +124,7 @@ CP_CASES = {
     "cp2-llama-block": (2, "llama", 1, "block", "input_stationary"),
     "cp2-hf_llama-selective": (2, "hf_llama", 1, "selective", "input_stationary"),
     "cp2-llama-output_stationary": (2, "llama", 1, None, "output_stationary"),
+    "cp2-llama_units": (2, "llama_units", 1, None, "input_stationary"),
     "cp4-llama": (4, "llama", 1, None, "input_stationary"),
     "cp4-hf_llama": (4, "hf_llama", 1, None, "input_stationary"),
     "dp2cp2-llama": (4, "llama", 2, None, "input_stationary"),
@@ -134,10 +135,12 @@ CP_NOISE_SEED, CP_NOISE_E = 7, 4.0  # the noisy run: insecure_seed, and the expe
 
 
 def case_model(kind: str):
-    return {"llama": tiny_llama, "hf_llama": hf_llama}[kind](seed=0)
+    return {"llama": tiny_llama, "llama_units": tiny_llama, "hf_llama": hf_llama}[kind](seed=0)
 
 
 def case_batches(kind: str, dp: int, T: int = 16) -> list:
-    """One (2, T) batch of token ids per dp replica (input ids = labels)."""
+    """One (2, T) batch of token ids per dp replica (input ids = labels); "llama_units":
+    (2, 3, T), samples of three rows each."""
     vocab = 128 if kind == "hf_llama" else 256
-    return [torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(s)) for s in range(dp)]
+    shape = (2, 3, T) if kind == "llama_units" else (2, T)
+    return [torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(s)) for s in range(dp)]

@@ -2,9 +2,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import longshield_fx as lf
 from longshield_fx.losses import CausalLMLoss
 
-from oracles import hf_gpt2, hf_llama, tiny_llama
+from oracles import assert_matches_vmap, hf_gpt2, hf_llama, tiny_llama
 
 
 def reference(logits, labels):
@@ -88,3 +89,33 @@ def test_hugging_face_models(make):
         split = lm(ids, position_ids=pos, use_cache=False).logits
         assert not torch.allclose(whole, split)
         torch.testing.assert_close(loss_fn(ids, labels, position_ids=pos), reference(whole, labels))
+
+
+def test_a_sample_of_several_rows_sums_its_rows():
+    """(B, R, T): sample i is R separate causal rows; its loss is the sum of its rows' losses,
+    an all -100 row adds exactly 0, and the per-sample gradient covers the whole unit."""
+    lm = tiny_lm()
+    loss_fn = CausalLMLoss(lm)
+    ids = torch.randint(0, 256, (3, 2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[1, 1] = -100  # sample 1 is one row long
+    rows = loss_fn(ids.flatten(0, 1), labels.flatten(0, 1)).view(3, 2)
+    units = loss_fn(ids, labels)
+    torch.testing.assert_close(units, rows.sum(1))
+    assert rows[1, 1] == 0
+    ours = lf.compile(loss_fn).per_sample_grads(ids, labels)
+    assert_matches_vmap(loss_fn, (ids, labels), ours=ours)
+    per_row = lf.compile(loss_fn).per_sample_grads(ids.flatten(0, 1), labels.flatten(0, 1))
+    for name, g in per_row.items():
+        torch.testing.assert_close(ours[name], g.view(3, 2, *g.shape[1:]).sum(1), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"\(B, T\) or \(B, R, T\)"):
+        loss_fn(ids, labels[:, 0])
+
+
+def test_several_rows_under_block_checkpointing_equal_plain():
+    loss_fn = CausalLMLoss(tiny_lm())
+    ids = torch.randint(0, 256, (2, 3, 8), generator=torch.Generator().manual_seed(2))
+    plain = lf.compile(loss_fn).per_sample_grads(ids, ids)
+    block = lf.compile(loss_fn, checkpoint="block").per_sample_grads(ids, ids)
+    for name in plain:
+        torch.testing.assert_close(block[name], plain[name], atol=1e-6, rtol=1e-6)

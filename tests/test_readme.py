@@ -4,6 +4,7 @@ import inspect
 import pathlib
 import re
 
+import pytest
 import torch
 
 import longshield_fx as lf
@@ -36,3 +37,22 @@ def _names(params: str) -> list[str]:
         if name and name != "*":
             names.append(name)
     return names
+
+
+def test_finetune_recipe_runs(tmp_path):
+    """The "Fine-tune your own model" recipe, on a model directory and documents built here."""
+    transformers = pytest.importorskip("transformers")
+    from finetune_fixtures import documents, save, tiny_llama, tokenizer, write_folder
+
+    texts = documents(20, seed=3)
+    tok = tokenizer(texts)
+    save(tiny_llama(len(tok)), tok, tmp_path / "model")
+    write_folder(tmp_path / "docs", texts)
+    recipe = re.search(r"## Fine-tune your own model\n.*?```python\n(.*?)```", README, re.S).group(1)
+    namespace = {"model_dir": tmp_path / "model", "data_dir": tmp_path / "docs", "out_dir": tmp_path / "out"}
+    exec(compile(recipe, "README.md", "exec"), namespace)
+    assert namespace["engine"].captures == 1 and namespace["train"].rows_per_unit == 4
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.randint(0, len(tok), (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(saved(ids).logits, namespace["lm"].eval()(ids).logits, rtol=0, atol=0)

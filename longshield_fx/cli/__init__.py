@@ -30,6 +30,7 @@ import os
 import sys
 
 from . import audit, inspect, plan, train
+from ..errors import DataError
 from .common import PROG, CLIError, Formatter, Parser, rank, under_torchrun
 
 __all__ = ["PROG", "CLIError", "build_parser", "main"]
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
     prefix = f"{PROG} {args.command}"
     try:
         return args.func(args)
-    except CLIError as e:
+    except (CLIError, DataError) as e:
         print(f"{prefix}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

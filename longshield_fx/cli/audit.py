@@ -48,7 +48,9 @@ def add_parser(sub) -> None:
     a = sub.add_parser("audit", formatter_class=Formatter, description=DESCRIPTION,
                        help="empirical ε lower bound from one training run with canaries")
     add_model_args(a, seq_len_default=2048)
-    a.set_defaults(physical_batch_size=4, func=audit, resume=None, save_every=0, keep_checkpoints=1)
+    # The audit trains on the embedded corpus with full fine-tuning: train's data and LoRA flags are off.
+    a.set_defaults(physical_batch_size=4, func=audit, resume=None, save_every=0, keep_checkpoints=1, data=None,
+                   eval_data=None, eval_fraction=None, lora=None)
     _privacy_args(a)
     _optimizer_corpus_device_args(a)
     a.add_argument("--out", default="runs/audit", metavar="DIR", help="output directory")

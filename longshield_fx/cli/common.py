@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import math
 import os
-from pathlib import Path
 
 import torch
 
@@ -58,14 +56,15 @@ def add_model_args(p: argparse.ArgumentParser, seq_len_default: int) -> None:
     """The flags that decide the model and its training graph (train and inspect)."""
     from ..models import CONFIGS
 
-    p.add_argument("--model", default="tiny", choices=list(CONFIGS), metavar="NAME",
-                   help="reference Llama shape from longshield_fx.models.CONFIGS: " + ", ".join(CONFIGS) +
-                   ". 'tiny' has 131k parameters, 'small' 3.1M: on a 2-core CPU 'small' at T=2048 takes ~12 s "
-                   "per step, so 50 steps would not fit in 10 minutes; 'tiny' does 50 steps at T=2048 in a few "
-                   "minutes")
+    p.add_argument("--model", default="tiny", metavar="NAME|DIR",
+                   help="a reference Llama shape from longshield_fx.models.CONFIGS (" + ", ".join(CONFIGS) +
+                   "; 'tiny' has 131k parameters, 'small' 3.1M: on a 2-core CPU 'small' at T=2048 takes ~12 s "
+                   "per step, 'tiny' does 50 steps at T=2048 in a few minutes), or a local Hugging Face model "
+                   "directory (config, weights, tokenizer: what save_pretrained writes) of any causal-LM "
+                   "architecture longshield_fx supports, loaded with its weights; nothing is downloaded")
     p.add_argument("--hf-config", metavar="PATH", default=None,
-                   help="train a Hugging Face LlamaForCausalLM built (randomly initialised, sdpa attention) "
-                   "from this local config JSON instead of --model; needs transformers and vocab_size >= 256 "
+                   help="train a randomly initialised Hugging Face causal LM of any architecture built from this "
+                   "local config JSON (its model_type; llama if absent) instead of --model; needs transformers "
                    "(default: none, --model is used)")
     p.add_argument("--seq-len", "-T", type=positive_int, default=seq_len_default, metavar="T",
                    help="tokens (bytes) per sequence; with --cp N it must be a multiple of 2*N")
@@ -112,46 +111,51 @@ def check_seq_len(args):
                        "context-parallel ranks holds two zig-zag chunks)")
 
 
-def load_hf_config(path):
-    p = Path(path)
-    if not p.is_file():
-        raise CLIError(f"--hf-config: no such file: {path}")
-    try:
-        import transformers
-    except ImportError:
-        raise CLIError("--hf-config needs the transformers package: pip install transformers") from None
-    try:
-        cfg = transformers.LlamaConfig.from_json_file(str(p))
-    except (OSError, ValueError) as e:
-        raise CLIError(f"--hf-config: cannot read a LlamaConfig from {path}: {' '.join(str(e).split())}") from None
-    if cfg.vocab_size < 256:
-        raise CLIError(f"--hf-config: vocab_size is {cfg.vocab_size}, but the corpus is byte-level (256 tokens)")
-    return cfg
-
-
-_HF_VOLATILE = {"transformers_version", "_name_or_path", "architectures", "id2label", "label2id",
-                "_attn_implementation_autoset", "dtype", "torch_dtype"}
-
-
-def build_model(args):
-    """(CausalLMLoss model, model description for the signature, display name)."""
-    import longshield_fx as lf
+def check_model_flags(args) -> None:
+    """Fail fast on --model / --hf-config, before processes, data and compilation."""
+    from ..models import CONFIGS
+    from . import hf
 
     if args.hf_config:
-        cfg = load_hf_config(args.hf_config)
-        import transformers
+        if args.model != "tiny":
+            raise CLIError("pass either --model or --hf-config, not both")
+        hf.load_config_json(args.hf_config)
+    elif args.model not in CONFIGS:
+        if not hf.is_model_dir(args.model):
+            raise CLIError(f"--model {args.model}: neither a reference model name ({', '.join(CONFIGS)}) nor a "
+                           "directory")
+        hf.check_model_dir(args.model)
+
+
+def pretrained(args) -> bool:
+    """--model names a Hugging Face model directory (its weights and tokenizer are used)."""
+    from ..models import CONFIGS
+
+    return not args.hf_config and args.model not in CONFIGS
+
+
+def build_model(args, byte_level: bool = True):
+    """(CausalLMLoss model, model description for the signature, display name). ``byte_level``:
+    the data are bytes (the embedded corpus), so the vocabulary must hold 256 tokens."""
+    import longshield_fx as lf
+
+    from . import hf
+
+    if args.hf_config:
+        lm, desc, name = hf.random_model(hf.load_config_json(args.hf_config), args.seed, args.hf_config)
+    elif pretrained(args):
+        torch.manual_seed(args.seed)  # dropout's RNG only: the weights are loaded
+        lm, desc, name = hf.pretrained_model(args.model)
+    else:
+        from ..models import CONFIGS, Llama
 
         torch.manual_seed(args.seed)
-        lm = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
-        desc = {"kind": "hf_llama", **{k: v for k, v in json.loads(cfg.to_json_string(use_diff=False)).items()
-                                       if k not in _HF_VOLATILE}}
-        return lf.CausalLMLoss(lm), desc, f"HF LlamaForCausalLM ({args.hf_config})"
-    from ..models import CONFIGS, Llama
-
-    torch.manual_seed(args.seed)
-    lm = Llama.from_name(args.model)
-    return lf.CausalLMLoss(lm), {"kind": "llama", "name": args.model, **dataclasses.asdict(CONFIGS[args.model])}, \
-        f"Llama {args.model!r}"
+        lm = Llama.from_name(args.model)
+        return lf.CausalLMLoss(lm), {"kind": "llama", "name": args.model, **dataclasses.asdict(CONFIGS[args.model])}, \
+            f"Llama {args.model!r}"
+    if byte_level:
+        hf.check_byte_vocab(lm, "--model" if pretrained(args) else "--hf-config")
+    return lf.CausalLMLoss(lm), desc, name
 
 
 def under_torchrun() -> bool:

@@ -42,6 +42,8 @@ class Corpus:
     def num_documents(self) -> int:
         return len(self.lengths)
 
+    num_units = num_documents  # one document, one privacy unit
+
     @property
     def truncated(self) -> int:
         return sum(n > self.seq_len for n in self.lengths)

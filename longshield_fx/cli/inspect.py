@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from .common import CLIError, Formatter, add_model_args, build_model, check_seq_len, load_hf_config, rank, say, \
+from .common import CLIError, Formatter, add_model_args, build_model, check_model_flags, check_seq_len, rank, say, \
     setup_distributed, under_torchrun
 
 DESCRIPTION = (
@@ -239,8 +239,7 @@ def _timeline(args, gm, out: Path, model_name: str) -> None:
 
 def inspect(args) -> int:
     check_seq_len(args)
-    if args.hf_config:
-        load_hf_config(args.hf_config)
+    check_model_flags(args)
     with contextlib.ExitStack() as stack:
         engine, lowered, dp, header, model_name = _lower(args, stack)
         say(inspect_report(engine, lowered, header=header, cp=args.cp, dp=dp))

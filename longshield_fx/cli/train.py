@@ -15,9 +15,10 @@ import torch
 
 from .checkpoints import (CHECKPOINT_FORMAT, atomic_save, checkpoint_dir, jsonable, list_checkpoints, load_latest,
                           resolve_resume, signature_diff)
-from .common import (CLIError, Formatter, add_model_args, build_model, check_seq_len, load_hf_config, nonneg_float,
-                     nonneg_int, positive_float, positive_int, rank, say, setup_distributed)
+from .common import (CLIError, Formatter, add_model_args, check_model_flags, check_seq_len, nonneg_float, nonneg_int,
+                     positive_float, positive_int, rank, say, setup_distributed)
 from .corpus import PRIVACY_UNIT, default_delta, stdlib_corpus
+from .train_data import add_data_args, build_model_for, check_data_args, data_signature, load_documents_for
 
 DESCRIPTION = (
     "DP-SGD training of a byte-level causal LM on this machine's Python standard library sources\n"
@@ -36,6 +37,12 @@ DESCRIPTION = (
     "are written only under the key 'not_covered_by_dp'. Checkpoints are SECRET: they hold the\n"
     "noise key and the sampling key (anyone holding them can subtract the noise); keep them like the\n"
     "data.\n\n"
+    "Your own model and documents: --model DIR (a local Hugging Face model directory, weights and\n"
+    "tokenizer loaded) and --data PATH (a folder of text files, a .jsonl file with 'text' and an\n"
+    "optional privacy-unit 'id', or a .txt file with one document per line); a document longer than T\n"
+    "is cut into rows that stay one privacy unit (up to --max-rows rows). --lora R trains LoRA adapters\n"
+    "only (peft). The trained model is written to --out/model/ in Hugging Face format, with\n"
+    "--out/privacy.json (ε, δ, accountant, unit, q, σ, steps, C, clipping).\n\n"
     "Context parallel: torchrun --standalone --nproc-per-node 2 -m longshield_fx train --cp 2\n"
     "(world size W = dp * cp; each of the W/cp data-parallel groups takes a share of every\n"
     "logical batch; all ranks read the same corpus and build the same model from --seed, rank 0's noise\n"
@@ -48,6 +55,7 @@ def add_parser(sub) -> None:
     add_model_args(t, seq_len_default=2048)
     t.set_defaults(physical_batch_size=4, func=train)
     _privacy_args(t)
+    add_data_args(t)
     _run_args(t)
 
 
@@ -123,7 +131,10 @@ class Job:
     mesh: object = None
     dp: int = 1
     dp_rank: int = 0
-    corpus: object = None
+    corpus: object = None                # the training data: cli.corpus.Corpus or cli.documents.Documents
+    eval_set: object = None              # held-out Documents, or None
+    tokenizer: object = None             # the --model DIR tokenizer, or None (bytes)
+    unit: str = PRIVACY_UNIT             # what ε protects, as printed beside it
     q: float = 0.0
     delta: float = 0.0
     model: torch.nn.Module = None
@@ -161,7 +172,7 @@ def train(args) -> int:
     _check_args(job)
     job.mesh, job.dp, job.dp_rank = setup_distributed(args.cp, args.device, "train")
     _load_corpus(job)
-    job.model, job.model_desc, job.model_name = build_model(args)  # the only use of --seed (and dropout's RNG)
+    build_model_for(job)
     job.device = torch.device(args.device)
     job.model.to(job.device)
     state = _decide_sigma(job)
@@ -182,8 +193,8 @@ def _check_args(job: Job) -> None:
     check_seq_len(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA device is available")
-    if args.hf_config:
-        load_hf_config(args.hf_config)
+    check_model_flags(args)
+    check_data_args(args)
     job.run_dir = Path(args.out) if args.out else None
     if args.resume:
         job.resumed_run, job.ckpt_folder = resolve_resume(args.resume)
@@ -192,12 +203,17 @@ def _check_args(job: Job) -> None:
 
 
 def _load_corpus(job: Job) -> None:
+    """The training data (--data, else the embedded corpus) and the held-out set, before the
+    model: a bad file fails before anything is built or written."""
     args = job.args
-    job.corpus = stdlib_corpus(args.seq_len, args.max_files or None)
-    N = job.corpus.num_documents
+    if args.data:
+        job.corpus, job.eval_set = load_documents_for(job)
+    else:
+        job.corpus = stdlib_corpus(args.seq_len, args.max_files or None)
+    N = job.corpus.num_units
     if args.expected_batch_size > N:
-        raise CLIError(f"--expected-batch-size {args.expected_batch_size:g} exceeds the corpus size N = {N} "
-                       "documents; lower it or raise --max-files")
+        raise CLIError(f"--expected-batch-size {args.expected_batch_size:g} exceeds the number of privacy units "
+                       f"N = {N}; lower it" + ("" if args.data else " or raise --max-files"))
     job.q = args.expected_batch_size / N
     job.delta = args.delta if args.delta is not None else default_delta(N)
 
@@ -213,7 +229,7 @@ def make_signature(job: Job, sigma: float) -> dict:
                "target_epsilon": None if args.sigma is not None else args.target_epsilon},
         "seq_len": args.seq_len, "physical_batch_size": args.physical_batch_size,
         "expected_batch_size": args.expected_batch_size, "steps": args.steps,
-        "corpus": {"unit": "document", "num_documents": job.corpus.num_documents, "max_files": args.max_files},
+        "corpus": data_signature(job),
         "optimizer": {"name": "AdamW", "lr": args.lr, "weight_decay": args.weight_decay},
     })
 
@@ -254,11 +270,27 @@ def _compile(job: Job, dataset=None) -> None:
                          insecure_seed=args.insecure_seed)
     job.engine = lf.compile(job.model, job.mesh, config=config,
                             checkpoint=None if args.checkpoint == "none" else args.checkpoint)
+    _lower_or_refuse(job, dataset)
     job.opt = torch.optim.AdamW(job.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     # Built at the same point on every rank (its key is broadcast from rank 0); one row = one document.
     dataset = job.corpus.dataset() if dataset is None else dataset
     job.batches = PoissonBatches(dataset, sample_rate=job.q, physical_batch_size=args.physical_batch_size,
                                  insecure_seed=args.insecure_seed, steps=args.steps)
+
+
+def _lower_or_refuse(job: Job, dataset) -> None:
+    """Capture and rewrite the step now, on one physical batch's shapes, so that a model the
+    passes refuse fails with its reason before any output is written."""
+    from ..errors import UnsupportedModelError
+
+    data = job.corpus.dataset() if dataset is None else dataset
+    first_row = [0] * job.args.physical_batch_size
+    example = [t[first_row].to(job.device) for t in data.tensors]
+    try:
+        with torch.random.fork_rng(devices=[job.device] if job.device.type == "cuda" else []):
+            job.engine.lower(*example)
+    except UnsupportedModelError as e:
+        raise CLIError(f"{job.model_name} cannot be trained with DP by longshield_fx: {e}") from None
 
 
 def _restore(job: Job, state: dict) -> None:
@@ -302,25 +334,33 @@ def _open_run_dir(job: Job) -> None:
 
 
 def _announce(job: Job) -> None:
-    args, corpus, T, N = job.args, job.corpus, job.args.seq_len, job.corpus.num_documents
+    args, corpus, T, N = job.args, job.corpus, job.args.seq_len, job.corpus.num_units
     n_params = sum(p.numel() for p in job.model.parameters())
+    trainable = sum(p.numel() for p in job.model.parameters() if p.requires_grad)
     world = f"cp={args.cp}, dp={job.dp}" if job.mesh is not None else "one process"
-    say(f"model: {job.model_name}, {n_params:,} parameters, T={T}, {world}, device {job.device.type}, "
-        f"checkpointing {args.checkpoint}")
-    say(f"corpus: {N} documents (one stdlib file per row, its first {T} bytes; the privacy unit is the document); "
-        f"{corpus.truncated} truncated to {T} bytes, {corpus.fraction_used:.1%} of the corpus bytes used"
-        + (f", {corpus.skipped} file{'s' * (corpus.skipped != 1)} under 2 bytes left out" if corpus.skipped else "")
-        + " (these counts are NOT covered by DP)")
-    say(f"sampling: Poisson q = {job.q:.4g} (E[B] = {job.batches.expected_batch_size:g} documents), physical batch "
+    say(f"model: {job.model_name}, {n_params:,} parameters"
+        + (f" ({trainable:,} trained)" if trainable != n_params else "")
+        + f", T={T}, {world}, device {job.device.type}, checkpointing {args.checkpoint}")
+    if args.data:
+        say(f"data: {args.data}: {corpus.describe()} (these counts are NOT covered by DP)")
+        if job.eval_set is not None:
+            say(f"held out for evaluation: {job.eval_set.describe()}; evaluation losses are computed without noise "
+                "and are NOT covered by ε (held-out documents are never trained on, so ε does not protect them)")
+    else:
+        say(f"corpus: {N} documents (one stdlib file per row, its first {T} bytes; the privacy unit is the document); "
+            f"{corpus.truncated} truncated to {T} bytes, {corpus.fraction_used:.1%} of the corpus bytes used"
+            + (f", {corpus.skipped} file{'s' * (corpus.skipped != 1)} under 2 bytes left out" if corpus.skipped else "")
+            + " (these counts are NOT covered by DP)")
+    say(f"sampling: Poisson q = {job.q:.4g} (E[B] = {job.batches.expected_batch_size:g} {'units' if args.data else 'documents'}), physical batch "
         f"{args.physical_batch_size}")
     how = "given" if args.sigma is not None else f"calibrated for ε = {args.target_epsilon:g} over {args.steps} steps"
     if args.delta is None:
-        why = f"min(1e-5, N^-1.1) for N = {N} documents, well below 1/N = {1 / N:.3g}"
+        why = f"min(1e-5, N^-1.1) for N = {N} {'units' if args.data else 'documents'}, well below 1/N = {1 / N:.3g}"
     else:
         why = "given" + ("" if job.delta < 1 / N else f"; NOT below 1/N = {1 / N:.3g}: a mechanism that releases "
                          "one whole document with probability δ would satisfy this guarantee")
     say(f"privacy: σ = {job.sigma:.4g} ({how}), δ = {job.delta:.3g} ({why}), C = {args.max_grad_norm:g}, "
-        f"{args.clipping} clipping, {args.accountant.upper()} accountant, ε {PRIVACY_UNIT}")
+        f"{args.clipping} clipping, {args.accountant.upper()} accountant, ε {job.unit}")
     if args.insecure_seed is not None:
         say(f"WARNING: --insecure-seed {args.insecure_seed}: the DP noise and the Poisson sampling are derived from a "
             "public seed; anyone who knows it can regenerate the noise and subtract it. NO privacy guarantee holds "

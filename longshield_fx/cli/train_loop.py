@@ -1,9 +1,10 @@
 """The training loop of ``longshield-fx train`` and its closing report.
 
 Per logical batch: accumulate this rank's physical batches, finalize (noise once, q from the
-sampler), step AdamW, write one metrics row, checkpoint every --save-every steps. Losses,
-timings and counts come from private data without noise: they go only under
-``not_covered_by_dp``.
+sampler), step AdamW, write one metrics row (with the held-out loss every --eval-every
+steps), checkpoint every --save-every steps. Losses, timings and counts come from private
+data without noise: they go only under ``not_covered_by_dp``. At the end: the model (also in
+Hugging Face format for HF models), ``privacy.json``, the plot and ``summary.json``.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def run_steps(job: Job) -> None:
         for logical in (job.batches if job.start_step < args.steps else []):
             step = job.batches.step
             row = _one_step(job, logical, step)
+            if job.eval_set is not None and job.rank0 and (step % args.eval_every == 0 or step == args.steps):
+                row[NOT_COVERED].update(evaluate(job.model, job.eval_set, args.physical_batch_size, job.device))
             job.rows.append(row)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
@@ -64,7 +67,7 @@ def _one_step(job: Job, logical, step: int) -> dict:
         loss_sum = engine.accumulate(ids.to(job.device), labels.to(job.device), *(t.to(job.device) for t in extra),
                                      mask=mask.to(job.device))
         stats[0] += loss_sum.detach().double().cpu()
-        stats[1] += int((labels[real, 1:] != -100).sum())
+        stats[1] += int((labels[real][..., 1:] != -100).sum())
         stats[2] += int((labels[real] != -100).sum())
     # cp ranks of a dp group count the same samples (norms are all-reduced over cp): sum over dp only
     stats[3] = engine.nonfinite_samples - nonfinite_before
@@ -91,9 +94,26 @@ def _one_step(job: Job, logical, step: int) -> dict:
             NOT_COVERED: private}
 
 
-def plot_title(model_name: str, T: int, expected: float, sigma: float) -> str:
-    return (f"{model_name}, T={T}, E[B]={expected:g}, σ={sigma:.3g}\nε {PRIVACY_UNIT}\n"
-            "training loss: NOT covered by DP (no noise)")
+@torch.no_grad()
+def evaluate(model, docs, batch_size: int, device) -> dict:
+    """Per-token loss and perplexity of ``model`` (a ``CausalLMLoss``) on held-out documents,
+    dropout off, then back to training mode. Computed without noise: NOT covered by ε."""
+    import math
+
+    model.eval()
+    loss, tokens = 0.0, 0
+    for i in range(0, docs.num_units, batch_size):
+        ids, labels = docs.ids[i:i + batch_size].to(device), docs.labels[i:i + batch_size].to(device)
+        loss += float(model(ids, labels).double().sum())
+        tokens += int((labels[..., 1:] != -100).sum())
+    model.train()
+    mean = loss / max(tokens, 1)
+    return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 700.0)), "eval_tokens": tokens}
+
+
+def plot_title(model_name: str, T: int, expected: float, sigma: float, unit: str = PRIVACY_UNIT) -> str:
+    return (f"{model_name}, T={T}, E[B]={expected:g}, σ={sigma:.3g}\nε {unit}\n"
+            "losses: NOT covered by DP (no noise)")
 
 
 def _fmt_time(s: float) -> str:
@@ -123,38 +143,73 @@ def summary(job: Job, eps: float, loop: float, wall: float, startup: float) -> d
     c = job.corpus.stats()
     private.update({
         "wall_s": round(wall, 2), "s_per_step": round(loop / done, 4),  # timings trace the batch sizes
-        "corpus": {key: c[key] for key in ("truncated_documents", "bytes_used", "bytes_total", "bytes_used_fraction",
-                                           "skipped_files_under_2_bytes")},
+        "corpus": c if args.data else {key: c[key] for key in ("truncated_documents", "bytes_used", "bytes_total",
+                                                               "bytes_used_fraction", "skipped_files_under_2_bytes")},
     })
+    if job.eval_set is not None:
+        private["eval"] = {**job.eval_set.stats(), **{k: v for k, v in _private(job.rows[-1]).items()
+                                                        if k.startswith("eval_")}} if job.rows else job.eval_set.stats()
     if args.log_private_stats:
         private["tokens"] = job.tokens_seen
         private["tokens_per_s"] = job.rows[-1][NOT_COVERED].get("tokens_per_s") if job.rows else None
     return {
         "steps": args.steps, "resumed_from": job.start_step or None,
-        "privacy_unit": "document (add/remove one document)", "epsilon": eps, "delta": job.delta,
+        "privacy_unit": job.unit.removeprefix("per "), "epsilon": eps, "delta": job.delta,
         "delta_rule": "min(1e-5, N^-1.1)" if args.delta is None else "given", "accountant": args.accountant,
         "target_epsilon": None if args.sigma is not None else args.target_epsilon, "sigma": job.sigma,
         "sample_rate": job.q, "expected_batch_size": job.batches.expected_batch_size,
         "max_grad_norm": args.max_grad_norm, "insecure_seed": args.insecure_seed,
         "privacy_void": args.insecure_seed is not None, "init_seed": args.seed,
-        "corpus": {"documents": job.corpus.num_documents, "seq_len": args.seq_len, "max_files": args.max_files},
+        "corpus": {"documents": job.corpus.num_units, "seq_len": args.seq_len, "max_files": args.max_files}
+        if not args.data else {"units": job.corpus.num_units, "seq_len": args.seq_len, "data": args.data},
         "startup_s": round(startup, 2), "parameters": sum(p.numel() for p in job.model.parameters()),
         NOT_COVERED: private,
     }
 
 
-def _write_outputs(job: Job, summary_: dict) -> str:
-    """Rank 0: final model, loss-vs-ε plot, summary.json; returns the list of written files."""
+def privacy_record(job: Job, eps: float) -> dict:
+    """privacy.json: the guarantee of the released model, a model-card fragment."""
+    from importlib.metadata import version
+
+    args = job.args
+    trained = sum(p.numel() for p in job.model.parameters() if p.requires_grad)
+    return {
+        "epsilon": eps, "delta": job.delta, "accountant": f"{args.accountant.upper()} (dp-accounting)",
+        "privacy_unit": job.unit.removeprefix("per "), "units": job.corpus.num_units,
+        "mechanism": "DP-SGD: Poisson sampling of units, per-unit gradient clipping, Gaussian noise",
+        "sample_rate": job.q, "noise_multiplier": job.sigma, "steps": args.steps,
+        "max_grad_norm": args.max_grad_norm, "clipping": args.clipping,
+        "expected_batch_size": job.batches.expected_batch_size,
+        "trained_parameters": trained, "lora": job.model_desc.get("lora"),
+        "privacy_void": args.insecure_seed is not None, "insecure_seed": args.insecure_seed,
+        "not_covered": "losses, timings and counts in metrics.jsonl and summary.json come from the data without "
+                       "noise; held-out evaluation documents are never trained on and are not protected by ε",
+        "library": f"longshield_fx {version('longshield_fx')}",
+    }
+
+
+def _write_outputs(job: Job, summary_: dict, eps: float) -> str:
+    """Rank 0: final model (and its Hugging Face folder), privacy.json, the loss-vs-ε plot,
+    summary.json; returns the list of written files."""
     from ..tools.plots import loss_vs_epsilon
 
     final = job.run_dir / "final_model.pt"
     atomic_save(job.model.state_dict(), final)
-    png = loss_vs_epsilon([{"epsilon": r["epsilon"], "loss": _private(r).get("train_loss")} for r in job.rows],
+    written = [str(job.metrics_path)]
+    if job.model_desc["kind"].startswith("hf"):
+        from .hf import save_hf_model
+
+        what = save_hf_model(job.model.lm, job.tokenizer, job.run_dir / "model", job.args.lora_save)
+        written.append(f"{job.run_dir / 'model'} ({what}, Hugging Face format)")
+    privacy = job.run_dir / "privacy.json"
+    privacy.write_text(json.dumps(privacy_record(job, eps), indent=1) + "\n")
+    png = loss_vs_epsilon([{"epsilon": r["epsilon"], "loss": _private(r).get("train_loss"),
+                            "eval_loss": _private(r).get("eval_loss")} for r in job.rows],
                           job.run_dir / "loss_vs_epsilon.png",
                           title=plot_title(job.model_name, job.args.seq_len, job.batches.expected_batch_size,
-                                           job.sigma))
+                                           job.sigma, job.unit))
     (job.run_dir / "summary.json").write_text(json.dumps(summary_, indent=1) + "\n")
-    return f"{job.metrics_path}, {png}, {final}"
+    return ", ".join(written + [str(privacy), str(png), str(final)])
 
 
 def finish(job: Job) -> int:
@@ -163,7 +218,7 @@ def finish(job: Job) -> int:
     wall, loop = time.time() - job.t_start, time.time() - job.t_loop
     startup = job.t_loop - job.t_start
     summary_ = summary(job, eps, loop, wall, startup)
-    written = _write_outputs(job, summary_) if job.rank0 else ""
+    written = _write_outputs(job, summary_, eps) if job.rank0 else ""
     _, k, first, last = _loss_summary(job.rows)
     private = summary_[NOT_COVERED]
     speed = f"{loop / max(1, args.steps - job.start_step):.2f} s/step (timings trace the batch sizes: NOT covered by DP)"
@@ -173,11 +228,15 @@ def finish(job: Job) -> int:
         f"{speed}")
     say(f"training loss/token (NOT covered by DP): {first:.3f} -> {last:.3f} (mean of the first/last {k} non-empty "
         f"steps); non-finite per-sample gradients (NOT covered by DP): {private['nonfinite_samples']}")
+    if "eval" in private and "eval_loss" in private["eval"]:
+        e = private["eval"]
+        say(f"held-out loss/token (NOT covered by DP): {e['eval_loss']:.3f}, perplexity {e['eval_perplexity']:.2f} "
+            f"({e['eval_tokens']} tokens of {e['units']} held-out units)")
     budget = ""
     if args.sigma is None:
         budget = f" <= target {args.target_epsilon:g}" if eps <= args.target_epsilon else \
             f" > target {args.target_epsilon:g}!"
-    say(f"privacy: ε = {eps:.3f} {PRIVACY_UNIT}, δ = {job.delta:.3g}, {args.accountant.upper()} accountant{budget} "
+    say(f"privacy: ε = {eps:.3f} {job.unit}, δ = {job.delta:.3g}, {args.accountant.upper()} accountant{budget} "
         f"(σ = {job.sigma:.4g}, q = {job.q:.4g}, {args.steps} steps)"
         + (f"; VOID: --insecure-seed {args.insecure_seed} made the noise and the sampling public"
            if args.insecure_seed is not None else ""))

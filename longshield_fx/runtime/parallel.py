@@ -74,7 +74,7 @@ class Parallel:
         if len(batch) != 2:
             raise ValueError("engine: under context parallelism pass (input_ids, labels), got "
                              f"{len(batch)} tensors")
-        T = batch[0].shape[1] if batch[0].dim() > 1 else 0
+        T = batch[0].shape[-1] if batch[0].dim() > 1 else 0
         if T % (2 * self.cp) != 0:
             raise ValueError(f"engine: sequence length {T} cannot be sharded over cp={self.cp}: it must be a "
                              f"multiple of 2*cp = {2 * self.cp} (two zig-zag chunks per rank); pad the "
@@ -83,12 +83,11 @@ class Parallel:
     def shard(self, batch):
         if self.cp == 1:
             return batch
-        input_ids, labels = batch
-        B, T = input_ids.shape
-        ids = shard_sequence(input_ids, self.cp, self.cp_rank)
-        shifted = shard_sequence(shift_labels(labels), self.cp, self.cp_rank)
-        positions = zigzag_index(T, self.cp, self.cp_rank).to(input_ids.device)[None].expand(B, -1).contiguous()
-        return ids, shifted, positions
+        input_ids, labels = batch  # (B, T) or (B, R, T): the sequence is the last dim
+        ids = shard_sequence(input_ids, self.cp, self.cp_rank, dim=-1)
+        shifted = shard_sequence(shift_labels(labels), self.cp, self.cp_rank, dim=-1)
+        positions = zigzag_index(input_ids.shape[-1], self.cp, self.cp_rank).to(input_ids.device)
+        return ids, shifted, positions.expand(ids.shape).contiguous()
 
     @contextlib.contextmanager
     def model_rng(self):

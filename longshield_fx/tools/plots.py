@@ -22,7 +22,8 @@ def loss_vs_epsilon(rows: list[dict], path: str | Path, title: str = "") -> Path
     """Plot per-token training loss against the ε spent so far (one point per step), as PNG.
 
     ``rows`` are the metrics records (``epsilon``, ``loss``; steps with an empty Poisson
-    batch have ``loss`` None and are skipped). A running mean over 5 steps is drawn on top.
+    batch have ``loss`` None and are skipped). A running mean over 5 steps is drawn on top,
+    and the held-out loss (``eval_loss``, where a row has one) beside it.
     """
     import matplotlib
 
@@ -38,9 +39,14 @@ def loss_vs_epsilon(rows: list[dict], path: str | Path, title: str = "") -> Path
         if len(loss) >= k:
             smooth = [sum(loss[i - k + 1: i + 1]) / k for i in range(k - 1, len(loss))]
             ax.plot(eps[k - 1:], smooth, "-", color="tab:red", label=f"mean of {k} steps")
+    held_out = [(r["epsilon"], r["eval_loss"]) for r in rows
+                if r.get("eval_loss") is not None and math.isfinite(r["epsilon"])]
+    if held_out:
+        ax.plot(*zip(*held_out), "o-", color="tab:green", label="held-out loss")
+    if pts or held_out:
         ax.legend(loc="upper right")
     ax.set_xlabel("ε spent")
-    ax.set_ylabel("training loss per token (nats)")
+    ax.set_ylabel("loss per token (nats)")
     ax.set_title(title or "loss vs privacy spent")
     ax.grid(alpha=0.3)
     fig.tight_layout()

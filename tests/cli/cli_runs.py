@@ -1,6 +1,8 @@
 """Helpers the CLI tests share: launching the CLI in a fresh process and reading a run's files."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -29,6 +31,16 @@ def env() -> dict:
 def run_cli(*args, cwd, timeout=300, launcher=None):
     cmd = (launcher or PYTHON_M) + [str(a) for a in args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env(), check=False)
+
+
+def run_in_process(argv, cwd) -> subprocess.CompletedProcess:
+    """``longshield-fx ARGV`` in this process (no interpreter start-up), its output captured."""
+    from longshield_fx import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in argv])
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def reported_epsilon(stdout: str) -> tuple[float, str]:

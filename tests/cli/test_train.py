@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import re
 import shutil
@@ -27,21 +25,13 @@ import pytest
 import torch
 
 from cli_runs import (FAST, SHORT, assert_bit_identical, env, load_state, metric_rows, reported_epsilon, run_cli,
-                      train_losses)
+                      run_in_process, train_losses)
 from longshield_fx import cli
 from longshield_fx.cli.checkpoints import atomic_save, list_checkpoints
 from longshield_fx.cli.corpus import default_delta, stdlib_corpus, stdlib_files
 
 
 # --- train ----------------------------------------------------------------------------------
-
-def run_in_process(argv, cwd) -> subprocess.CompletedProcess:
-    """``longshield-fx ARGV`` in this process (no interpreter start-up), its output captured."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main([str(a) for a in argv])
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
-
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
@@ -279,7 +269,7 @@ def test_log_private_stats_writes_batch_sizes_labelled_and_the_plot_says_loss_is
     assert cli.main(["train", "--steps", "3", "-T", "32", "--sigma", "1", "--save-every", "0", *FAST,
                      "--accountant", "rdp", "--log-private-stats", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "training loss: NOT covered by DP" in seen["title"] and "per document" in seen["title"]
+    assert "losses: NOT covered by DP" in seen["title"] and "per document" in seen["title"]
     rows = metric_rows(tmp_path)
     assert [r["loss"] for r in seen["rows"]] == train_losses(rows)
     for row in rows:

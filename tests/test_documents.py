@@ -1,0 +1,268 @@
+"""longshield_fx.cli.documents: private documents as (N, R, T) privacy units."""
+import json
+
+import pytest
+import torch
+
+from longshield_fx.errors import DataError
+from longshield_fx.documents import Documents, load_documents
+
+
+def enc(s):
+    return list(s.encode())
+
+
+T, PAD = 8, 0
+
+
+def load(path, max_rows=4, seq_len=T):
+    return load_documents(path, enc, seq_len=seq_len, max_rows=max_rows, pad_id=PAD)
+
+
+def unit_rows(text, rows, seq_len=T):
+    """Hand-built (ids, labels) of shape (rows, seq_len) for a list of document texts."""
+    ids = torch.full((rows, seq_len), PAD, dtype=torch.long)
+    labels = torch.full((rows, seq_len), -100, dtype=torch.long)
+    r = 0
+    for doc in text:
+        b = list(doc.encode())
+        for start in range(0, len(b), seq_len):
+            piece = torch.tensor(b[start:start + seq_len])
+            ids[r, :len(piece)] = piece
+            labels[r, :len(piece)] = piece
+            r += 1
+    return ids, labels
+
+
+def write_jsonl(path, objs):
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+# --- directory -----------------------------------------------------------------------------
+
+@pytest.fixture
+def tree(tmp_path):
+    d = tmp_path / "data"
+    (d / "sub" / "deeper").mkdir(parents=True)
+    (d / ".git").mkdir()
+    (d / "b.txt").write_text("0123456789ABCDEFGHI")  # 19 bytes: 3 rows (8 + 8 + 3)
+    (d / "a.txt").write_text("hello")  # 1 row
+    (d / "sub" / "deeper" / "c.md").write_text("é-ok")  # UTF-8, 5 bytes
+    (d / "sub" / "latin1.txt").write_bytes("café".encode("latin-1"))  # not UTF-8: skipped
+    (d / "empty.txt").write_bytes(b"")  # skipped as empty
+    (d / "one.txt").write_text("x")  # 1 token: skipped as empty
+    (d / ".hidden").write_text("secret hidden file")  # hidden: not even counted
+    (d / ".git" / "config").write_text("in a hidden directory")
+    return d
+
+
+def test_directory_rows_labels_and_skips(tree):
+    docs = load(tree)
+    assert docs.units == ["a.txt", "b.txt", "sub/deeper/c.md"]
+    assert docs.ids.shape == docs.labels.shape == (3, 3, T)
+    assert docs.ids.dtype == docs.labels.dtype == torch.long
+    for i, text in enumerate(["hello", "0123456789ABCDEFGHI", "é-ok"]):
+        ids, labels = unit_rows([text], 3)
+        assert torch.equal(docs.ids[i], ids), docs.units[i]
+        assert torch.equal(docs.labels[i], labels), docs.units[i]
+    # b.txt by hand: two full rows, a 3-token row, padding -100
+    assert docs.ids[1, 2].tolist() == [ord("G"), ord("H"), ord("I")] + [PAD] * 5
+    assert docs.labels[1, 2].tolist() == [ord("G"), ord("H"), ord("I")] + [-100] * 5
+    assert (docs.labels[0, 1:] == -100).all()  # a.txt's all-padding rows
+    assert docs.num_units == 3 and docs.num_rows == 5 and docs.num_tokens == 5 + 19 + 5
+    s = docs.stats()
+    assert s == {"documents": 3, "units": 3, "rows": 5, "rows_per_unit": 3, "seq_len": T,
+                 "tokens_kept": 29, "tokens_total": 29, "truncated_units": 0, "tokens_dropped": 0,
+                 "padding_fraction": round(1 - 29 / (3 * 3 * T), 6),
+                 "skipped": {"non_utf8": 1, "empty": 2}, "source": str(tree)}
+    assert docs.describe() == ("3 units (3 documents), 5 rows of 8 tokens, 3 rows per unit; 0 units truncated "
+                               "(0 tokens dropped); 3 files skipped (non-UTF-8: 1, empty: 2)")
+
+
+def test_pad_id_is_not_the_token_mask(tmp_path):
+    (tmp_path / "z.txt").write_bytes(b"a\x00b")  # a real byte 0 = pad_id
+    docs = load(tmp_path)
+    assert docs.ids[0, 0, :3].tolist() == [97, 0, 98]
+    assert docs.labels[0, 0, :4].tolist() == [97, 0, 98, -100]
+    assert docs.num_tokens == 3
+
+
+def test_deterministic(tree):
+    a, b = load(tree), load(tree)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.labels, b.labels) and a.units == b.units
+
+
+# --- truncation and R ---------------------------------------------------------------------
+
+def test_truncation_by_max_rows(tree):
+    docs = load(tree, max_rows=2)
+    assert docs.ids.shape == (3, 2, T)
+    assert docs.truncated_units == 1 and docs.tokens_dropped == 3  # b.txt loses "GHI"
+    assert docs.ids[1].flatten().tolist() == list(b"0123456789ABCDEF")
+    s = docs.stats()
+    assert (s["truncated_units"], s["tokens_dropped"], s["tokens_kept"], s["tokens_total"]) == (1, 3, 26, 29)
+    assert "1 units truncated (3 tokens dropped)" in docs.describe()
+
+
+def test_rows_per_unit_shrinks_to_longest_unit(tmp_path):
+    (tmp_path / "a").write_text("short")
+    (tmp_path / "b").write_text("0123456789")  # 2 rows
+    docs = load(tmp_path, max_rows=64)
+    assert docs.ids.shape == (2, 2, T) and docs.stats()["rows_per_unit"] == 2
+    docs = load(tmp_path, max_rows=64, seq_len=16)
+    assert docs.ids.shape == (2, 1, 16)
+
+
+# --- jsonl -------------------------------------------------------------------------------------
+
+def test_jsonl_shared_ids_form_one_unit(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "alice", "text": "alice one 12"},  # 12 bytes: 2 rows
+        {"text": "no id here"},  # line 2, own unit
+        "",  # blank line: skipped, still counted in line numbers
+        {"id": 7, "text": "seven"},
+        {"id": "alice", "text": "alice 2"},  # joins alice's unit: 1 more row
+        {"id": "7", "text": "7 again"},  # "7" and 7 are one unit
+        {"text": "x"},  # 1 token: skipped as empty
+        {"text": "no id again"},
+    ])
+    docs = load(f)
+    assert docs.units == ["alice", "line 2", "7", "line 8"]
+    assert docs.documents_per_unit == [2, 1, 2, 1]
+    assert docs.ids.shape == (4, 3, T)
+    for i, texts in enumerate([["alice one 12", "alice 2"], ["no id here"], ["seven", "7 again"],
+                               ["no id again"]]):
+        ids, labels = unit_rows(texts, 3)
+        assert torch.equal(docs.ids[i], ids) and torch.equal(docs.labels[i], labels), docs.units[i]
+    assert docs.ids[0, 2].tolist()[:7] == list(b"alice 2")  # second document starts a fresh row
+    s = docs.stats()
+    assert s["documents"] == 6 and s["units"] == 4 and s["skipped"] == {"non_utf8": 0, "empty": 1}
+    assert "1 lines skipped" in docs.describe()
+
+
+def test_jsonl_truncation_across_documents_of_one_unit(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"id": 1, "text": "a" * 12}, {"id": 1, "text": "b" * 9},
+                                           {"id": 2, "text": "cc"}])
+    docs = load(f, max_rows=3)
+    assert docs.ids.shape == (2, 3, T)
+    assert docs.ids[0, 2].tolist() == list(b"bbbbbbbb")  # the second document keeps one row of its two
+    assert docs.truncated_units == 1 and docs.tokens_dropped == 1
+    docs = load(f, max_rows=2)  # the second document is dropped whole
+    assert docs.tokens_dropped == 9 and docs.documents_per_unit == [2, 1] and docs.num_rows == 3
+
+
+@pytest.mark.parametrize("line, phrase", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"id": 1}', 'no "text" field'),
+    ('{"text": 5}', '"text" is int'),
+    ('{"text": "ok", "id": null}', '"id" must be a string or an integer'),
+    ('{"text": "ok", "id": 1.5}', '"id" must be a string or an integer'),
+    ('{"text": "ok", "id": true}', '"id" must be a string or an integer'),
+])
+def test_jsonl_bad_lines_name_file_and_line(tmp_path, line, phrase):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, "", line])
+    with pytest.raises(DataError) as e:
+        load(f)
+    assert phrase in str(e.value) and f"{f}:3:" in str(e.value)
+
+
+# --- txt -----------------------------------------------------------------------------------------
+
+def test_txt_one_document_per_line(tmp_path):
+    f = tmp_path / "d.txt"
+    f.write_bytes(b"first line\r\n\n   \nsecond\nz\n")
+    docs = load(f)
+    assert docs.units == ["line 1", "line 4"]
+    for i, text in enumerate(["first line", "second"]):
+        ids, labels = unit_rows([text], 2)
+        assert torch.equal(docs.ids[i], ids) and torch.equal(docs.labels[i], labels)
+    assert docs.skipped == {"non_utf8": 0, "empty": 1}  # "z"
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+def test_errors(tmp_path):
+    with pytest.raises(DataError, match="no such file or directory.*expected a directory"):
+        load(tmp_path / "missing")
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported input '.csv'; expected"):
+        load(tmp_path / "d.csv")
+    (tmp_path / "bad.txt").write_bytes(b"ok line\n\xff\xfe\n")
+    with pytest.raises(DataError, match="not valid UTF-8 \\(line 2"):
+        load(tmp_path / "bad.txt")
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xe9"}\n')
+    with pytest.raises(DataError, match="not valid UTF-8"):
+        load(tmp_path / "bad.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="no usable document"):
+        load(tmp_path / "empty.jsonl")
+    empty_dir = tmp_path / "nothing"
+    empty_dir.mkdir()
+    with pytest.raises(DataError, match="nothing: no usable document"):
+        load(empty_dir)
+    skips = tmp_path / "skips"
+    skips.mkdir()
+    (skips / "l1").write_bytes(b"\xff\xff")
+    (skips / "e").write_bytes(b"")
+    with pytest.raises(DataError, match="1 skipped as not UTF-8, 1 skipped as empty"):
+        load(skips)
+    with pytest.raises(DataError, match="sequence length must be >= 2"):
+        load(tmp_path / "d.txt", seq_len=1)
+    with pytest.raises(DataError, match="rows per unit must be >= 1"):
+        load(tmp_path / "d.txt", max_rows=0)
+
+
+# --- split ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def ten(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"id": i % 10, "text": f"doc {i} of unit {i % 10}"} for i in range(20)])
+    return load(f)
+
+
+def test_split_by_units(ten):
+    assert ten.num_units == 10
+    train, ev = ten.split(0.25, seed=3)
+    assert (train.num_units, ev.num_units) == (8, 2)  # round(2.5) = 2
+    assert set(train.units).isdisjoint(ev.units) and set(train.units) | set(ev.units) == set(ten.units)
+    assert train.ids.shape[1:] == ev.ids.shape[1:] == ten.ids.shape[1:]
+    for part in (train, ev):
+        assert part.units == sorted(part.units, key=ten.units.index)  # file order kept
+        for j, name in enumerate(part.units):
+            i = ten.units.index(name)
+            assert torch.equal(part.ids[j], ten.ids[i]) and torch.equal(part.labels[j], ten.labels[i])
+            assert part.documents_per_unit[j] == 2
+    assert train.num_tokens + ev.num_tokens == ten.num_tokens
+    again = ten.split(0.25, seed=3)
+    assert again[0].units == train.units and again[1].units == ev.units
+    assert any(ten.split(0.25, seed=s)[1].units != ev.units for s in range(4, 20))
+
+
+def test_split_bounds(ten, tmp_path):
+    assert ten.split(0.01, seed=0)[1].num_units == 1  # at least 1 eval unit
+    assert ten.split(0.99, seed=0)[0].num_units == 1  # at least 1 train unit
+    for bad in (0, 1, -0.5, 1.5, float("nan")):
+        with pytest.raises(DataError, match="between 0 and 1"):
+            ten.split(bad, seed=0)
+    (tmp_path / "one.txt").write_text("a single document\n")
+    with pytest.raises(DataError, match="cannot split 1 unit"):
+        load(tmp_path / "one.txt").split(0.5, seed=0)
+
+
+# --- into the sampler ----------------------------------------------------------------------------
+
+def test_dataset_feeds_poisson_batches(ten):
+    from longshield_fx.data import PoissonBatches
+
+    R = ten.rows_per_unit
+    with pytest.warns(Warning):
+        batches = PoissonBatches(ten.dataset(), sample_rate=0.5, physical_batch_size=2, insecure_seed=0)
+    assert batches.num_examples == 10
+    seen = 0
+    for batch in batches:
+        for (ids, labels), mask in batch.physical:
+            assert ids.shape == labels.shape == (2, R, T) and mask.shape == (2,)
+        seen += batch.size
+    assert seen > 0
