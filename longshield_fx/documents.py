@@ -151,8 +151,8 @@ class Documents:
     def describe(self) -> str:
         what = "files" if self.kind == "directory" else "lines"
         s = self.skipped
-        return (f"{self.num_units} units ({self.num_documents} documents), {self.num_rows} rows of "
-                f"{self.seq_len} tokens, {self.rows_per_unit} rows per unit; {self.truncated_units} units "
+        return (f"{self.num_units} units ({self.num_documents} documents), {self.num_tokens} tokens in "
+                f"{self.num_rows} rows of {self.seq_len}, {self.rows_per_unit} rows per unit; {self.truncated_units} units "
                 f"truncated ({self.tokens_dropped} tokens dropped); {sum(s.values())} {what} skipped "
                 f"(non-UTF-8: {s['non_utf8']}, empty: {s['empty']})")
 

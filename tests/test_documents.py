@@ -76,7 +76,7 @@ def test_directory_rows_labels_and_skips(tree):
                  "tokens_kept": 29, "tokens_total": 29, "truncated_units": 0, "tokens_dropped": 0,
                  "padding_fraction": round(1 - 29 / (3 * 3 * T), 6),
                  "skipped": {"non_utf8": 1, "empty": 2}, "source": str(tree)}
-    assert docs.describe() == ("3 units (3 documents), 5 rows of 8 tokens, 3 rows per unit; 0 units truncated "
+    assert docs.describe() == ("3 units (3 documents), 29 tokens in 5 rows of 8, 3 rows per unit; 0 units truncated "
                                "(0 tokens dropped); 3 files skipped (non-UTF-8: 1, empty: 2)")
 
 
