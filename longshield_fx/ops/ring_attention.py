@@ -299,12 +299,14 @@ def ring_attention(
 
 
 def _flash_layout(x: Tensor) -> Tensor:
-    """x (B, H, L, ...) with the strides the CPU flash kernels give: heads inner to L.
+    """A copy of x (B, H, L, ...) with the strides the CPU flash kernels give: heads inner to L.
 
     The captured graph around attention was traced with those strides (it views the
-    output after ``transpose(1, 2)``), so the ring ops must return the same layout.
+    output after ``transpose(1, 2)``), so the ring ops must return the same layout. Always a
+    copy: with one head ``contiguous()`` would return x itself, and dk/dv (views of one
+    buffer) would alias, which a custom op's outputs may not.
     """
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
+    return _empty_flash_layout(x.shape, x).copy_(x)
 
 
 def _empty_flash_layout(shape, like: Tensor, dtype=None) -> Tensor:
@@ -372,7 +374,6 @@ def ring_attention_backward(
         dkv = dkv_ex.wait()
     last_block_counts.update(backward=pairs, backward_calls=calls)
     # dk/dv are views of one buffer: custom ops may not return aliasing outputs, so copy.
-    # _flash_layout copies, so dk/dv (views of one buffer) do not alias: custom ops may not.
     return _flash_layout(dq.to(q.dtype)), _flash_layout(dkv[0].to(k.dtype)), _flash_layout(dkv[1].to(v.dtype))
 
 

@@ -107,12 +107,14 @@ def test_cp1_opcheck():
 
 
 @pytest.mark.torchrun(4)
+@pytest.mark.parametrize("hkv", [2, 1])
 @pytest.mark.parametrize("cp", [4, 2])
-def test_ring_matches_full_attention(distributed, cp):
-    """4 gloo ranks: cp=4 on the world group, then cp=2 on two strided groups (dp=2).
-    Forward out/lse, backward dq/dk/dv (autograd through the op) vs full causal GQA
-    attention (assert_close at TOL, run on each rank), and balanced block counts."""
-    for rank, r in distributed.check(4, f"ring-cp{cp}").items():
+def test_ring_matches_full_attention(distributed, cp, hkv):
+    """4 gloo ranks: cp=4 on the world group, then cp=2 on two strided groups (dp=2); 4 query
+    heads on 2 KV heads and on 1 (MQA). Forward out/lse, backward dq/dk/dv (autograd through
+    the op) vs full causal GQA attention (assert_close at TOL, run on each rank), and
+    balanced block counts."""
+    for rank, r in distributed.check(4, f"ring-cp{cp}-hkv{hkv}").items():
         assert r["shapes"] == r["expected_shapes"], rank
         for name in ("out", "lse", "dq", "dk", "dv"):
             assert r[name] is None, f"rank {rank}: {r[name]}"

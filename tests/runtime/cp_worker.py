@@ -75,7 +75,7 @@ def engine_case(kind, world, dp, policy, comm) -> dict:
     return out
 
 
-def ring_case(world: int, cp: int) -> dict:
+def ring_case(world: int, cp: int, hkv: int) -> dict:
     """Ring attention over cp ranks. cp groups are strided ({0, 2}, {1, 3} for world 4, cp 2)
     so that global and group ranks differ; each group (dp replica) gets its own data.
     Returns, per tensor, None or assert_close's message, and the block counts of each rank."""
@@ -87,7 +87,7 @@ def ring_case(world: int, cp: int) -> dict:
     cp_rank = dist.get_rank(group)
     assert cp_rank == rank // n_rep
 
-    q, k, v, grad = attention_inputs(100 * cp + dp)
+    q, k, v, grad = attention_inputs(100 * cp + dp, HKV=hkv)
     B, HQ, T, D = q.shape
     HKV = k.shape[1]
     ref_out, ref_lse, ref_grads = causal_attention(q, k, v, grad)
@@ -164,7 +164,8 @@ def main():
 
     if world == 4:
         for cp in (4, 2):
-            record(f"ring-cp{cp}", ring_case, world, cp)
+            for hkv in (2, 1):  # one KV head: dk and dv must still be separate buffers
+                record(f"ring-cp{cp}-hkv{hkv}", ring_case, world, cp, hkv)
     for name, (case_world, kind, dp, policy, comm) in CP_CASES.items():
         if case_world == world:
             record(name, engine_case, kind, world, dp, policy, comm)
