@@ -13,6 +13,8 @@ private API                                                        why
 ``torch._functorch.aot_autograd.aot_export_joint_with_descriptors``  the joint forward+backward graph
 ``torch._functorch._aot_autograd.descriptors``                       which graph input/output is what
 ``torch._dynamo.config.patch``, ``torch._guards.tracing``            static shapes; the tracing context
+``torch._dynamo.variables.tensor.TensorVariable.var_getattr``        a buffer's ``persistent`` flag readable
+                                                                   during capture (``_buffer_flags_readable``)
 ``torch._subclasses.fake_tensor.FakeTensorMode``                     fake models (planner, tests)
 ``torch._ops.OpOverload``                                            "is this an aten overload with tags"
 ``torch.ops._c10d_functional``                                       functional collectives in graphs
@@ -68,7 +70,7 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
     import torch.fx.traceback as fx_traceback
 
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
-            fx_traceback.preserve_node_meta():
+            fx_traceback.preserve_node_meta(), _buffer_flags_readable():
         try:
             dynamo_gm = dynamo_graph_capture_for_export(model)(*example_batch)
         except torch._dynamo.exc.TorchDynamoException as e:
@@ -79,6 +81,33 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
         joint = aot_export_joint_with_descriptors(stack, dynamo_gm, tuple(example_batch))
     joint.graph_module.meta[GUARDS] = guards
     return joint.graph_module, joint.fake_mode
+
+
+@contextlib.contextmanager
+def _buffer_flags_readable():
+    """Dynamo (torch 2.13) types a tensor whose fake value is a module buffer as ``nn.Buffer``
+    but cannot read the buffer's ``persistent`` flag, which fake tensors do carry. A forward
+    that assigns a buffer to itself (``self.pe = self.pe.to(dtype)``, a no-op ``to``: CTRL)
+    runs ``Module.__setattr__``, which reads ``value.persistent`` of an ``nn.Buffer``, and
+    breaks the graph. The flag is a Python bool fixed at the buffer's creation, the very value
+    eager reads; it only decides ``state_dict`` membership, never the graph's values."""
+    from torch._dynamo.variables import ConstantVariable
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    original = TensorVariable.var_getattr
+
+    def var_getattr(self, tx, name):
+        if name == "persistent" and self.class_type is torch.nn.Buffer:
+            flag = getattr(self.proxy.node.meta.get("example_value"), "persistent", None)
+            if isinstance(flag, bool):
+                return ConstantVariable.create(flag)
+        return original(self, tx, name)
+
+    TensorVariable.var_getattr = var_getattr
+    try:
+        yield
+    finally:
+        TensorVariable.var_getattr = original
 
 
 class DynamoGuards:

@@ -58,3 +58,29 @@ def test_llama_8b_shapes_capture_on_fake_tensors():
     wk = lowered.ctx.param_meta("lm.layers.0.attention.wk.weight")[PER_SAMPLE_GRAD]
     assert tuple(wk.dense.meta["val"].shape) == (1, *model.lm.layers[0].attention.wk.weight.shape)
     print(f"8B capture + batch_dims + per_sample on fake tensors: {elapsed:.1f}s")
+
+
+class ReassignsItsBuffer(torch.nn.Module):
+    """CTRL's positional table: a buffer the forward assigns to itself through a no-op ``to``."""
+
+    def __init__(self, persistent):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+        self.table = torch.nn.Buffer(torch.randn(5, 3), persistent=persistent)
+
+    def forward(self, x):
+        self.table = self.table.to(device=x.device, dtype=x.dtype)
+        return (self.fc(x) + self.table).pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_buffer_reassigned_to_itself_in_forward_is_captured(persistent):
+    from oracles import assert_matches_vmap
+    model = ReassignsItsBuffer(persistent)
+    table, keys = model.table, set(model.state_dict())
+    x = torch.randn(4, 5, 3, generator=torch.Generator().manual_seed(0))
+    engine = lf.compile(model)
+    assert_matches_vmap(model, (x,), ours=engine.per_sample_grads(x))
+    engine.per_sample_grads(x)
+    assert engine.captures == 1  # the capture's guards hold on the next step
+    assert model.table is table and set(model.state_dict()) == keys  # the live module is untouched

@@ -2,8 +2,9 @@
 or that make a sample's loss depend on its row position in the batch.
 
 Rewrites: nothing. It sets ``node.meta["batch_dim"]`` on every node to a ``BatchDim``
-(which dimension holds samples, and how many rows each sample owns in it when views
-folded the batch with other dimensions, e.g. B*T), to ``None`` for tensors that do not
+(which dimension holds samples, how many rows each sample owns in it when views
+folded the batch with other dimensions, e.g. B*T, and in how many blocks those rows recur
+when the folded rows were tiled, e.g. E*B*T tokens repeated per expert), to ``None`` for tensors that do not
 depend on any one sample (parameters, constants, position ids), or to a tuple of those for
 ops with several outputs. On every tensor tagged ``None`` it also sets
 ``node.meta["varies"]`` (see ``row_variation``). The rules, one per aten op, are in
@@ -60,10 +61,27 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class BatchDim:
-    """Dimension ``dim`` has size B*inner; sample i owns rows [i*inner, (i+1)*inner)."""
+    """Dimension ``dim`` has size outer*B*inner and is laid out as (outer, B, inner): sample i
+    owns rows [o*B*inner + i*inner, o*B*inner + (i+1)*inner) of every outer block o.
+
+    ``outer`` > 1 when rows of the folded batch were tiled (an MoE that ``repeat``s the B*T
+    tokens once per expert); only rules registered with ``outer=True`` accept such inputs.
+    """
 
     dim: int
     inner: int = 1
+    outer: int = 1
+
+    def __repr__(self):  # untiled tags print as before, in messages and test ids
+        tiled = f", outer={self.outer}" if self.outer != 1 else ""
+        return f"BatchDim(dim={self.dim}, inner={self.inner}{tiled})"
+
+    def rows(self, B: int) -> int:
+        return self.outer * B * self.inner
+
+    def at(self, dim: int) -> "BatchDim":
+        """The same rows, moved to dimension ``dim``."""
+        return BatchDim(dim, self.inner, self.outer)
 
 
 def batch_dim(node) -> BatchDim | None:
@@ -126,6 +144,8 @@ def _tag(node: fx.Node, B: int):
     rule = _rule_for(node.target)
     if rule is None:
         no_rule(node)
+    if rule not in _OUTER_AWARE and any(getattr(batch_dim(a), "outer", 1) != 1 for a in batched):
+        _refuse_outer(node)
     try:
         tag = rule(node, B)
     except Mixing as e:
@@ -139,6 +159,7 @@ def _tag(node: fx.Node, B: int):
         raise _row_position_error(node, str(e)) from None
     for x, dim, inner in _aligned_for(node.target)(node, tag, B):
         v = varies(x).get(dim)
+        # A period dividing inner gives every sample the same entries, in each outer block too.
         if v is not None and inner % v.period:
             raise _row_position_error(
                 node, f"it combines per-sample data with {x.name}, whose entries differ from row to row "
@@ -151,6 +172,16 @@ def no_rule(node: fx.Node):
         f"op {node.target} (node {node.name}) in {module_of(node)} touches per-sample data and has no "
         "batch rule, so longshield_fx cannot prove it keeps samples apart. Way out: write the layer "
         "with standard ops, or register a rule with longshield_fx.passes.batch_dims.register_batch_rule.")
+
+
+def _refuse_outer(node: fx.Node):
+    tags = sorted({str(batch_dim(a)) for a in node.all_input_nodes if batch_dim(a) is not None})
+    raise UnsupportedModelError(
+        f"op {node.target} (node {node.name}) in {module_of(node)} reads a tensor whose batch rows are tiled "
+        f"in blocks ({', '.join(tags)}: each sample's rows recur in every one of `outer` blocks, as when an MoE "
+        "repeats the tokens once per expert), and no rule proves this op keeps samples apart on such a tensor. "
+        "Way out: view the tiled dimension back to (blocks, rows) before the op, or register a rule with "
+        "longshield_fx.passes.batch_dims.register_batch_rule(op, outer=True).")
 
 
 def _row_position_error(node: fx.Node, what: str) -> UnsupportedModelError:
@@ -168,12 +199,16 @@ def _row_position_error(node: fx.Node, what: str) -> UnsupportedModelError:
 # ``aligned`` function lines up with the batch must not vary there (see ``varies``).
 
 _RULES: dict = {}
+_OUTER_AWARE: set = set()  # rules that read ``BatchDim.outer`` and keep it in their output tags
 # op -> fn(node, tag, B) -> [(untagged input, its dim lined up with the batch, rows per sample)]
 _ALIGNED: dict = {}
 
 
-def register_batch_rule(*ops, aligned=None):
+def register_batch_rule(*ops, aligned=None, outer=False):
     """Register ``fn(node, B) -> BatchDim | None | tuple`` for aten/custom ops.
+
+    ``outer=True``: ``fn`` handles inputs tagged with ``outer`` > 1 (tiled batch rows); any
+    other rule never sees one (the op is refused first).
 
     ``aligned(node, tag, B)``, given the output tag ``fn`` returned, lists the untagged
     tensor inputs whose entries line up with the batch: ``(input, dim, inner)`` tuples, one
@@ -183,6 +218,8 @@ def register_batch_rule(*ops, aligned=None):
     """
 
     def deco(fn):
+        if outer:
+            _OUTER_AWARE.add(fn)
         for op in ops:
             _RULES[op] = fn
             if aligned is not None:
@@ -264,7 +301,7 @@ def broadcast_aligned(node, tag, B):
 
 def by_size_aligned(node, tag, B):
     """No alignment known: any untagged dimension of a batched input's size may meet the batch."""
-    rows = {B * t.inner: t.inner for t in map(batch_dim, node.all_input_nodes) if isinstance(t, BatchDim)}
+    rows = {t.rows(B): t.inner for t in map(batch_dim, node.all_input_nodes) if isinstance(t, BatchDim)}
     return [(x, d, rows[s]) for x in untagged(node) for d, s in enumerate(val(x).shape) if s in rows]
 
 
@@ -289,9 +326,12 @@ def pointwise_rule(node: fx.Node, B: int):
         if tag is None:
             continue
         pos = rank - val(a).dim() + tag.dim
-        if out.shape[pos] != B * tag.inner:
+        if out.shape[pos] != tag.rows(B):
             raise Mixing(f"broadcasting changes the batch dimension of {a.name}")
-        placed.add(BatchDim(pos, tag.inner))
+        placed.add(tag.at(pos))
     if len(placed) != 1:
         raise Mixing(f"inputs hold samples in different dimensions {sorted(placed, key=str)}")
     return placed.pop()
+
+
+_OUTER_AWARE.add(pointwise_rule)  # elementwise: each output entry comes from the same entry of each input

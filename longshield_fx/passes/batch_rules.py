@@ -27,39 +27,42 @@ def _constant(node, B):
     return None  # values do not depend on any sample, only the shape does
 
 
-@register_batch_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@register_batch_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, outer=True)
 def _view(node, B):
+    """In row-major order the batch index steps by ``stride`` elements over B values. The
+    output dim whose elements step by a divisor of ``stride`` and span a multiple of
+    ``stride * B`` holds it: each of its indices splits as (outer, B, inner), the dims before
+    and after it do not depend on the sample, so the tag says exactly which entries each
+    sample owns. A view that splits the batch index over two dims has no such dim."""
     tag = batch_dim(node.args[0])
     in_shape, out_shape = list(val(node.args[0]).shape), list(val(node).shape)
-    prefix, suffix = math.prod(in_shape[: tag.dim]), math.prod(in_shape[tag.dim + 1:])
-    rows = B * tag.inner
-    candidates = [
-        d for d in range(len(out_shape))
-        if math.prod(out_shape[:d]) == prefix and out_shape[d] % B == 0
-        and out_shape[d] * math.prod(out_shape[d + 1:]) == rows * suffix
-    ]
-    if not candidates:
-        raise Mixing(f"the view {in_shape} -> {out_shape} folds the batch dimension into a dimension before it")
-    # Only size-1 dims separate candidates; for B > 1 they are excluded, for B == 1 the
-    # leftmost keeps the batch leading, as rules such as attention expect.
-    d = candidates[0]
-    return BatchDim(d, out_shape[d] // B)
+    stride = tag.inner * math.prod(in_shape[tag.dim + 1:])
+    found = []
+    for d, size in enumerate(out_shape):
+        step = math.prod(out_shape[d + 1:])
+        if step and stride % step == 0 and (size * step) % (stride * B) == 0:
+            found.append(BatchDim(d, stride // step, size * step // (stride * B)))
+    if not found:
+        raise Mixing(f"the view {in_shape} -> {out_shape} splits the batch index over two dimensions")
+    # For B > 1 exactly one dim qualifies. For B == 1 every entry is sample 0's and any is right:
+    # prefer untiled and leftmost, keeping the batch leading as rules such as attention expect.
+    return min(found, key=lambda t: (t.outer != 1, t.dim))
 
 
-@register_batch_rule(aten.expand.default)
+@register_batch_rule(aten.expand.default, outer=True)
 def _expand(node, B):
     tag = batch_dim(node.args[0])
-    return BatchDim(tag.dim + val(node).dim() - val(node.args[0]).dim(), tag.inner)
+    return tag.at(tag.dim + val(node).dim() - val(node.args[0]).dim())
 
 
-@register_batch_rule(aten.unsqueeze.default)
+@register_batch_rule(aten.unsqueeze.default, outer=True)
 def _unsqueeze(node, B):
     tag = batch_dim(node.args[0])
     dim = norm_dim(node.args[1], val(node).dim())
-    return BatchDim(tag.dim + (dim <= tag.dim), tag.inner)
+    return tag.at(tag.dim + (dim <= tag.dim))
 
 
-@register_batch_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+@register_batch_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, outer=True)
 def _squeeze(node, B):
     tag = batch_dim(node.args[0])
     in_shape = val(node.args[0]).shape
@@ -72,16 +75,16 @@ def _squeeze(node, B):
         dims.remove(tag.dim)
         if val(node).dim() == len(in_shape) - len(dims) - 1:
             raise Mixing("squeezes away the batch dimension")
-    return BatchDim(tag.dim - sum(d < tag.dim for d in dims), tag.inner)
+    return tag.at(tag.dim - sum(d < tag.dim for d in dims))
 
 
-@register_batch_rule(aten.t.default, aten.transpose.int, aten.permute.default)
+@register_batch_rule(aten.t.default, aten.transpose.int, aten.permute.default, outer=True)
 def _permute(node, B):
     tag = batch_dim(node.args[0])
-    return BatchDim(permutation(node).index(tag.dim), tag.inner)
+    return tag.at(permutation(node).index(tag.dim))
 
 
-@register_batch_rule(aten.slice.Tensor)
+@register_batch_rule(aten.slice.Tensor, outer=True)
 def _slice(node, B):
     tag = batch_dim(node.args[0])
     shape = val(node.args[0]).shape
@@ -152,23 +155,23 @@ def _cat(node, B):
     return tag
 
 
-@register_batch_rule(aten.repeat.default)
+@register_batch_rule(aten.repeat.default, outer=True)
 def _repeat(node, B):
+    """Tiling the batch dim r times copies its (outer, B, inner) layout into r blocks: each
+    copy of a row still sits in its sample's place of a block (an MoE's tokens per expert)."""
     tag = batch_dim(node.args[0])
     sizes = node.args[1]
     dim = tag.dim + len(sizes) - val(node.args[0]).dim()
-    if sizes[dim] != 1:
-        raise RowPosition("it repeats rows along the batch dimension, so rows hold other rows' records")
-    return BatchDim(dim, tag.inner)
+    return BatchDim(dim, tag.inner, tag.outer * sizes[dim])
 
 
-@register_batch_rule(*REDUCTIONS)
+@register_batch_rule(*REDUCTIONS, outer=True)
 def _reduction(node, B):
     tag = batch_dim(node.args[0])
     dims, keepdim = reduced_dims(node)
     if tag.dim in dims:
         raise Mixing("reduces over the batch dimension")
-    out = BatchDim(tag.dim if keepdim else tag.dim - sum(d < tag.dim for d in dims), tag.inner)
+    out = tag.at(tag.dim if keepdim else tag.dim - sum(d < tag.dim for d in dims))
     return (out, out) if isinstance(node.meta["val"], tuple) else out
 
 

@@ -106,6 +106,12 @@ class Rewriter:
         already has that shape, so ``view(g3d, (B*T, p))`` unfolds back to ``g3d``.
         """
         tag: BatchDim = batch_dim(node)
+        if tag.outer != 1:  # a sample's rows recur in every block: no (B, ...) view collects them
+            raise UnsupportedModelError(
+                f"parameter {self.param!r}: its gradient reduces {node.name} ({node.target}, from "
+                f"{module_of(node)}), whose batch rows are tiled in {tag.outer} blocks ({tag}); no per-sample "
+                "rule covers that. Way out: freeze the parameter or register a rule with "
+                "longshield_fx.per_sample_rule.")
         shape = list(val(node).shape)
         d, inner = tag.dim, tag.inner
         new_shape = shape[:d] + ([inner] if inner != 1 else []) + shape[d + 1:]
@@ -125,6 +131,12 @@ class Rewriter:
 
     def per_sample_sum(self, node: fx.Node, dims, out_shape) -> fx.Node:
         """Per-sample version of ``sum(node, dims)`` where dims include the batch dim."""
+        tag = batch_dim(node)
+        if tag.outer != 1:  # sum each sample's copies over the blocks first: what is left is untiled
+            shape, d = list(val(node).shape), tag.dim
+            blocks = self.call(aten.reshape.default, node, shape[:d] + [tag.outer, self.B * tag.inner] + shape[d + 1:])
+            node = self.call(aten.sum.dim_IntList, blocks, [d])
+            node.meta["batch_dim"] = BatchDim(d, tag.inner)
         x, axis_of = self.unfold(node)
         rdims = [axis_of[e] for e in dims if axis_of[e] is not None]
         y = self.call(aten.sum.dim_IntList, x, rdims) if rdims else x
