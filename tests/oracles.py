@@ -44,6 +44,18 @@ def assert_matches_vmap(model: nn.Module, batch, ours: dict | None = None, ref: 
     return ours
 
 
+def tagged(model: nn.Module, batch) -> dict:
+    """Node name -> node of ``model``'s captured graph after the ``batch_dims`` pass (each node's
+    ``meta["batch_dim"]`` is its sample-dimension tag)."""
+    from longshield_fx.capture import capture
+    from longshield_fx.passes import PassContext
+    from longshield_fx.passes.batch_dims import batch_dims
+
+    captured = capture(model, batch)
+    gm = batch_dims(captured.gm, PassContext(captured, batch[0].shape[0]))
+    return {n.name: n for n in gm.graph.nodes}
+
+
 class MLP(nn.Module):
     """Two linear layers with biases; per-sample loss is summed over a token axis."""
 

@@ -6,17 +6,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import longshield_fx as lf
-from longshield_fx.capture import capture
-from longshield_fx.passes import PassContext
-from longshield_fx.passes.batch_dims import BatchDim, batch_dims
+from longshield_fx.passes.batch_dims import BatchDim
 
-from oracles import MLP, assert_matches_vmap, hf_llama, mlp_batch, tiny_llama, token_batch
-
-
-def tagged(model, batch):
-    captured = capture(model, batch)
-    gm = batch_dims(captured.gm, PassContext(captured, batch[0].shape[0]))
-    return {n.name: n for n in gm.graph.nodes}
+from oracles import MLP, assert_matches_vmap, hf_llama, mlp_batch, tagged, tiny_llama, token_batch
 
 
 def test_folded_batch_times_tokens_is_tracked():

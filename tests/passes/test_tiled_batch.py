@@ -8,8 +8,7 @@ import torch.nn as nn
 import longshield_fx as lf
 from longshield_fx.passes.batch_dims import BatchDim
 
-from oracles import assert_matches_vmap
-from test_batch_dims import tagged
+from oracles import assert_matches_vmap, tagged
 
 E, D, H = 4, 6, 5
 
