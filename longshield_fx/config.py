@@ -29,6 +29,9 @@ class DPConfig:
     per_sample_comm: under context parallelism, "input_stationary" (default: local einsum,
         then reduce-scatter; bytes constant in T) or "output_stationary" (gather activations
         and activation gradients, then a local einsum; bytes grow with T), longshield.md 3.2.
+    loss_chunk: rows of logits (positions, over the whole batch) the LM head's cross-entropy
+        forms at a time (the ``chunked_loss`` pass): the (B, T, V) logits are never held, one
+        chunk of (loss_chunk, V) is. Larger chunks: fewer, bigger matmuls.
     """
 
     max_grad_norm: float
@@ -40,6 +43,7 @@ class DPConfig:
     accountant: str = "pld"
     per_sample_comm: str = "input_stationary"
     insecure_seed: int | None = None
+    loss_chunk: int = 1024
 
     def __post_init__(self):
         if not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
@@ -50,6 +54,8 @@ class DPConfig:
             raise ValueError(f"DPConfig: clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}")
         if self.insecure_seed is not None and not isinstance(self.insecure_seed, int):
             raise ValueError(f"DPConfig: insecure_seed must be an int or None, got {self.insecure_seed!r}")
+        if not (isinstance(self.loss_chunk, int) and self.loss_chunk >= 1):
+            raise ValueError(f"DPConfig: loss_chunk must be an int >= 1, got {self.loss_chunk!r}")
         if self.automatic_gamma <= 0:
             raise ValueError(f"DPConfig: automatic_gamma must be > 0, got {self.automatic_gamma!r}")
         if self.accountant not in ("rdp", "pld"):

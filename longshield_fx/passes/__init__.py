@@ -21,6 +21,7 @@ from . import batch_rules, batch_rules_indexing, per_sample_rules  # noqa: F401 
 from ._context import CP_SHARD_DIM, PER_SAMPLE_RULE, PassContext
 from .batch_dims import batch_dims
 from .checkpoint import checkpoint
+from .chunked_loss import chunked_loss
 from .clip import clip
 from .context_parallel import context_parallel
 from .overlap import overlap
@@ -43,12 +44,13 @@ def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None,
     the list is an error.
 
     >>> [p.__name__ for p in pipeline(training=True, cp=2, checkpointing="block")]
-    ['batch_dims', 'context_parallel', 'per_sample', 'shard_grads', 'clip', 'overlap', 'checkpoint']
+    ['batch_dims', 'context_parallel', 'chunked_loss', 'per_sample', 'shard_grads', 'clip', 'overlap', 'checkpoint']
     """
     cp_only = cp > 1
     steps = [
         (batch_dims, True),
         (context_parallel, cp_only),
+        (chunked_loss, True),
         (per_sample, True),
         (shard_grads, training and cp_only),
         (clip, training),

@@ -167,7 +167,8 @@ class Rewriter:
         outer, self.rules = self.rules, set()
         with self.graph.inserting_before(node):
             out = rule(self, node)
-        self.rules.add(getattr(rule, "rule_name", rule.__name__.strip("_")))
+        # A pass that formed the per-sample value itself names it (chunked_loss: "lm_head_loss").
+        self.rules.add(node.meta.get("per_sample_rule") or getattr(rule, "rule_name", rule.__name__.strip("_")))
         self._memo[node] = (out, self.rules)
         self.rules = outer | self.rules
         return out

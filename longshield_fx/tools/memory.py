@@ -18,6 +18,10 @@ allocates nothing) when:
 - it is ``wait_tensor``, which returns the collective's output buffer itself, or
 - it is ``getitem`` of a tuple whose element aliases the tuple op's input (``split``).
 
+A node's ``meta["workspace_bytes"]`` (set by the pass that made it) is scratch memory the op
+holds only while it runs, beyond its inputs and outputs (``longshield::lm_head_loss``'s chunk of
+logits); it counts at that node.
+
 Storage identity alone does not serve: passes replace a node's inputs and keep the fake
 values downstream (``context_parallel`` swaps attention for ring attention under an unchanged
 ``transpose``), and the checkpoint pass's recomputed copies share their originals' values; the
@@ -122,10 +126,15 @@ def estimate_memory(gm: fx.GraphModule) -> MemoryEstimate:
             if size:
                 live[n] = size
                 total += size
-        timeline.append(total)
-        if total > peak:
-            peak, peak_node = total, n.name
+        # An op's scratch memory (a custom op's chunk of logits) is live only while it runs.
+        scratch = n.meta.get("workspace_bytes", 0)
+        timeline.append(total + scratch)
+        if total + scratch > peak:
+            peak, peak_node = total + scratch, n.name
             peak_live = sorted(((m.name, b) for m, b in live.items()), key=lambda x: -x[1])
+            if scratch:
+                peak_live.append((f"{n.name} (workspace)", scratch))
+                peak_live.sort(key=lambda x: -x[1])
         for o in frees.get(i, []):
             total -= live.pop(o, 0)
         if n.op == "call_function" and not n.users and n in live:  # dead value: freed at once

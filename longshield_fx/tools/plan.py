@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import DPConfig
 from .plan_graphs import DTYPES, Capture, GraphSpec, measure, prefetch
 
 __all__ = ["DTYPES", "Breakdown", "GraphFit", "GraphSpec", "LayoutPlan", "ModelStats", "PlanError", "check_args",
@@ -117,8 +118,12 @@ class GraphFit:
 
 
 def fit_points(cp: int) -> tuple[int, int]:
-    """The two sequence lengths captured: 256 and 512 tokens per cp rank."""
-    return 256 * cp, 512 * cp
+    """The two sequence lengths captured: 1024 and 2048 tokens per cp rank. From one
+    ``DPConfig.loss_chunk`` of positions on (1024 rows: the planner's micro-batches have
+    mbs ≥ 1) the chunked loss's working set, one chunk of logits, stops growing with T, so
+    every node's live bytes are affine in T from the first point on."""
+    assert DPConfig.__dataclass_fields__["loss_chunk"].default <= 1024
+    return 1024 * cp, 2048 * cp
 
 
 def fit_requests(specs) -> list[tuple[GraphSpec, int]]:

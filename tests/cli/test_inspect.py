@@ -54,8 +54,9 @@ def test_inspect_prints_the_pipeline_and_the_log_the_engine_recorded(tiny):
 
 def test_what_each_pass_did_follows_from_the_model(tiny):
     """Counts derived from the model's modules, not pinned: batch_dims only tags (no node
-    added or removed); per_sample turns each Linear's weight-gradient mm into one einsum; the
-    rules are linear per Linear, sum per RMSNorm, embedding per Embedding."""
+    added or removed); chunked_loss takes the LM head's matmuls into its op; per_sample turns
+    each other Linear's weight-gradient mm into one einsum; the rules are linear per Linear
+    but the head (lm_head_loss), sum per RMSNorm, embedding per Embedding."""
     text, _ = tiny
     modules = list(_model().modules())
     linear = sum(isinstance(m, nn.Linear) for m in modules)
@@ -64,10 +65,12 @@ def test_what_each_pass_did_follows_from_the_model(tiny):
     before, after = map(int, re.search(r"batch_dims +(\d+) -> (\d+) nodes", text).groups())
     assert before == after
     per_sample = text[text.index("  per_sample"):text.index("  clip")]
-    assert f"aten.einsum.default x{linear}" in per_sample.split("- ")[0]  # added
-    assert f"aten.mm.default x{linear}" in per_sample.split("- ")[1]  # removed
+    assert text.index("  batch_dims") < text.index("  chunked_loss") < text.index("  per_sample")
+    assert f"aten.einsum.default x{linear - 1}" in per_sample.split("- ")[0]  # added
+    assert f"aten.mm.default x{linear - 1}" in per_sample.split("- ")[1]  # removed
     rules = dict(re.findall(r"^  (\w+) x(\d+): ", text, flags=re.MULTILINE))
-    assert rules == {"linear": str(linear), "sum": str(norms), "embedding": str(embeddings)}
+    assert rules == {"linear": str(linear - 1), "lm_head_loss": "1", "sum": str(norms),
+                     "embedding": str(embeddings)}
 
 
 def _dot_statements(text: str) -> tuple[list[str], list[tuple[str, str]]]:

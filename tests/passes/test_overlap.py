@@ -82,6 +82,6 @@ def test_a_pass_is_disabled_by_name(fake_world):
         with pytest.raises(ValueError, match=r"\['reorder'\] not in this pipeline"):
             lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 1.0), disable_passes=("reorder",))
     names = {graph: [p.__name__ for p in passes] for graph, passes in engine.pipelines.items()}
-    assert names == {"train": ["batch_dims", "context_parallel", "per_sample", "shard_grads", "clip"],
-                     "per_sample": ["batch_dims", "context_parallel", "per_sample"]}
+    assert names == {"train": ["batch_dims", "context_parallel", "chunked_loss", "per_sample", "shard_grads", "clip"],
+                     "per_sample": ["batch_dims", "context_parallel", "chunked_loss", "per_sample"]}
     assert "overlap" not in repr(engine)

@@ -98,7 +98,7 @@ def test_embedding_gradient_is_sparse_rows_in_the_graph(tiny_per_sample):
     lowered = tiny_per_sample.lowered
     B, T = tiny_per_sample.batch[0].shape
     dim = tiny_per_sample.model.lm.tok_embeddings.weight.shape[1]
-    assert lowered.passes == ["batch_dims", "per_sample"]
+    assert lowered.passes == ["batch_dims", "chunked_loss", "per_sample"]
     emb = lowered.ctx.param_meta("lm.tok_embeddings.weight")[PER_SAMPLE_GRAD]
     assert emb.dense is None and len(emb.rows) == 1
     ids, values = emb.rows[0]
@@ -122,7 +122,7 @@ def test_golden_graph_one_layer_mlp():
     model = OneLayer()
     batch = (torch.randn(4, 5, 3),)
     passes = pipeline(training=False)
-    assert [p.__name__ for p in passes] == ["batch_dims", "per_sample"]
+    assert [p.__name__ for p in passes] == ["batch_dims", "chunked_loss", "per_sample"]
     gm = lower(PassContext(capture(model, batch), 4), passes).gm
     code = "\n".join(line.split("#")[0].rstrip() for line in gm.code.strip().splitlines() if line.strip())
     assert_expected_inline(code, """\

@@ -18,6 +18,7 @@ from oracles import tiny_llama
 def test_collectives_cp2(cp_graph, describe_collectives):
     assert_expected_inline(describe_collectives(cp_graph(2).gm), """\
 ring_attention [(2, 4, 16, 16), (2, 2, 16, 16), (2, 2, 16, 16)] -> [(2, 4, 16, 16), (2, 4, 16)] x2
+lm_head_loss [(2, 16, 64), (256, 64), (2, 16), (2, 16)] -> [(2, 16), (2, 16, 64), (2, 256, 64)] x1
 reduce_scatter_tensor [(256, 2, 64)] -> [(128, 2, 64)] x2
 all_reduce [(2, 64)] -> [(2, 64)] x5
 reduce_scatter_tensor [(192, 2, 64)] -> [(96, 2, 64)] x6
@@ -30,6 +31,7 @@ all_reduce [(2,)] -> [(2,)] x1""")
 def test_collectives_cp4(cp_graph, describe_collectives):
     assert_expected_inline(describe_collectives(cp_graph(4).gm), """\
 ring_attention [(2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)] -> [(2, 4, 8, 16), (2, 4, 8)] x2
+lm_head_loss [(2, 8, 64), (256, 64), (2, 8), (2, 8)] -> [(2, 8), (2, 8, 64), (2, 256, 64)] x1
 reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x2
 all_reduce [(2, 64)] -> [(2, 64)] x5
 reduce_scatter_tensor [(192, 2, 64)] -> [(48, 2, 64)] x6

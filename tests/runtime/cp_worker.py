@@ -56,7 +56,9 @@ def engine_case(kind, world, dp, policy, comm) -> dict:
     out["clipped"] = grads(model)
     out["clipped_something"] = bool((engine.last_norms > CP_CLIP).any())
     out["bytes"] = engine.communication_bytes()
-    out["passes"] = engine.lower(mine, mine).passes
+    lowered = engine.lower(mine, mine)
+    out["passes"] = lowered.passes
+    out["chunked_loss"] = any(n.target is torch.ops.longshield.lm_head_loss.default for n in lowered.gm.graph.nodes)
 
     # The overlap pass only reorders: without it the clipped gradient must be bit-identical.
     no_overlap = lf.compile(model, mesh, config=clean, checkpoint=policy, disable_passes=("overlap",))

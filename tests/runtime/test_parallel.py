@@ -3,7 +3,9 @@
 Every case of ``oracles.CP_CASES`` runs in one of two torchrun launches of ``cp_worker.py``
 (2 and 4 ranks; the ``distributed`` fixture); each rank records what the context-parallel
 engine computed on fixed batches. The oracle runs here, once per (model, dp): a
-single-process engine built from the same seed, fed every replica's batch.
+single-process engine built from the same seed, fed every replica's batch, WITHOUT the ``chunked_loss``
+pass: the distributed engines chunk the LM head's loss (on by default), the oracle keeps the
+plain logits, so each case also checks the chunked loss under cp against the plain graph.
 """
 import math
 
@@ -28,13 +30,14 @@ def oracle():
         if (kind, dp) not in cache:
             batches = case_batches(kind, dp)
             model = case_model(kind)
-            out = {"per_sample": lf.compile(model).per_sample_grads(batches[0], batches[0])}
+            plain = ("chunked_loss",)
+            out = {"per_sample": lf.compile(model, disable_passes=plain).per_sample_grads(batches[0], batches[0])}
             with torch.no_grad():
                 out["loss"] = float(model(batches[0], batches[0]).sum())
             for key, config, divisor in (
                     ("clipped", lf.DPConfig(CP_CLIP, 0.0), 1.0),
                     ("noisy", lf.DPConfig(CP_CLIP, 1.0, insecure_seed=CP_NOISE_SEED), CP_NOISE_E)):
-                engine = lf.compile(model, config=config)
+                engine = lf.compile(model, config=config, disable_passes=plain)
                 for b in batches:
                     engine.accumulate(b, b)
                 engine.finalize(logical(2 * dp, divisor))
@@ -64,6 +67,7 @@ def test_per_sample_gradients_match_one_process(distributed, oracle, name):
     ranks, kind, dp, _, _ = case(distributed, name)
     ref = oracle(kind, dp)
     for rank, r in ranks.items():  # full, unsharded per-sample gradients on every rank
+        assert r["chunked_loss"], rank  # the LM head's loss was chunked here, not in the oracle
         assert worst(r["per_sample"], ref["per_sample"]) <= 1e-5, rank
     assert abs(ranks[0]["loss"] - ref["loss"]) <= 1e-4
 
