@@ -31,9 +31,9 @@ T x T tensor), every other tensor is (B, T, ·), (B, ·) or T-free, and the grap
 and their order do not depend on T. So each node's live-bytes is fitted as a + b*T from
 captures at two small T (the node sequences must match, or the planner stops) and the
 peak at any T is the max over nodes of the fitted lines: exact for this graph, not an
-extrapolation of the peak itself (the peak moves from the per-sample-gradient phase at
-short T to the logits' backward at long T; a single line through two peaks would miss
-that). ``tests/tools/test_plan.py`` checks the prediction against a direct capture at a third T.
+extrapolation of the peak itself (the peak moves between phases as T grows, e.g. from the
+per-sample gradients at short T to the activations kept by checkpointing at long T; a single
+line through two peaks would miss that). ``tests/tools/test_plan.py`` checks the prediction against a direct capture at a third T.
 
 A plan takes four captures (two per layout; ``tools.plan_graphs``): 10 s (1B) to about a
 minute (8B, cp=4) each on a 2-core CPU, run ``jobs`` at a time in worker processes, memoised
