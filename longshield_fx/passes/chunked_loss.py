@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..config import DPConfig
 from ..ops import lm_head_loss as _op
 from ._context import PassContext
 from ._graph import GraphBuilder, norm_dim, permutation, val
@@ -47,7 +48,7 @@ _GRAD_CHAIN = _VIEWS + _TRANSPOSES + _COPIES + (aten.slice_backward.default,)
 def chunked_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace LM head + cross-entropy by the chunked op (see the module docstring)."""
     graph = gm.graph
-    chunk_rows = getattr(ctx.config, "loss_chunk", 1024)
+    chunk_rows = (ctx.config or DPConfig).loss_chunk  # no config (per-sample graphs): the default
     for log_softmax in [n for n in graph.nodes if n.target == aten._log_softmax.default]:
         match = _match(log_softmax, ctx.batch_size)
         if match is not None:

@@ -122,7 +122,7 @@ def fit_points(cp: int) -> tuple[int, int]:
     ``DPConfig.loss_chunk`` of positions on (1024 rows: the planner's micro-batches have
     mbs ≥ 1) the chunked loss's working set, one chunk of logits, stops growing with T, so
     every node's live bytes are affine in T from the first point on."""
-    assert DPConfig.__dataclass_fields__["loss_chunk"].default <= 1024
+    assert DPConfig.loss_chunk <= 1024
     return 1024 * cp, 2048 * cp
 
 
