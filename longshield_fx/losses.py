@@ -67,12 +67,17 @@ class CausalLMLoss(nn.Module):
             kwargs["use_cache"] = False
         out = self.lm(input_ids, **kwargs)
         logits = out if isinstance(out, torch.Tensor) else out.logits
-        logits = logits[:, :-1].float()
+        logits = _at_least_fp32(logits[:, :-1])
         # Cross-entropy over the class dim of (B, V, T-1) keeps the batch dim leading in every
         # intermediate tensor; flattening to (B*T, V) would merge it with the sequence dim.
         token_loss = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:],
                                      reduction="none", ignore_index=-100)
         return _per_sample(token_loss, B, rows)
+
+
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for the softmax: low-precision ones upcast to fp32, fp64 ones kept (not rounded down)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
 
 
 def _fold(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -114,7 +119,7 @@ class ShardedCausalLMLoss(nn.Module):
         if self.is_hf:
             kwargs.update(use_cache=False, attention_mask=torch.ones_like(input_ids))
         out = self.lm(input_ids, **kwargs)
-        logits = (out if isinstance(out, torch.Tensor) else out.logits).float()
+        logits = _at_least_fp32(out if isinstance(out, torch.Tensor) else out.logits)
         token_loss = F.cross_entropy(logits.transpose(1, 2), shifted_labels, reduction="none", ignore_index=-100)
         return _per_sample(token_loss, B, rows)
 

@@ -54,12 +54,14 @@ def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int,
         y = labels[:, start:stop]
         counted = y != ignore_index
         target = torch.where(counted, y, 0).unsqueeze(-1)
-        lse = torch.logsumexp(z, dim=-1)
-        loss[:, start:stop] = torch.where(counted, lse - z.gather(-1, target).squeeze(-1), 0)
-        # d loss / d z = g * (softmax(z) - onehot(y)), formed in z's buffer.
-        dz = z.sub_(lse.unsqueeze(-1)).exp_()
-        dz.scatter_add_(-1, target, torch.full_like(target, -1, dtype=dz.dtype))
-        dz.mul_(torch.where(counted, grad[:, start:stop].to(dz.dtype), 0).unsqueeze(-1))
+        # The unchunked graph's kernels on each chunk (log_softmax reduces over V row by row),
+        # so each position's loss and gradient round as they would there.
+        logp = torch.log_softmax(z, dim=-1)
+        loss[:, start:stop] = torch.where(counted, -logp.gather(-1, target).squeeze(-1), 0)
+        # d loss / d z = g * (softmax(z) - onehot(y)), formed in logp's buffer.
+        g = torch.where(counted, grad[:, start:stop].to(logp.dtype), 0).unsqueeze(-1)
+        dz = logp.exp_().mul_(g)
+        dz.scatter_add_(-1, target, -g)
         dz = dz.to(h.dtype)
         grad_h[:, start:stop] = torch.matmul(dz, w)
         if weight_grad:
