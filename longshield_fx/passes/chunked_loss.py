@@ -131,14 +131,20 @@ def _class_dim(nodes: list, cls: int) -> int | None:
     """Where the class dim (``cls`` at the input of ``nodes[0]``) is after the chain ``nodes``;
     None if a view merges or splits it or a slice cuts it."""
     for node in nodes:
-        if node.target in _VIEWS:
-            cls = _class_dim_after_view(list(val(node.args[0]).shape), cls, list(val(node).shape))
-        elif node.target in _TRANSPOSES:
-            cls = permutation(node).index(cls)
-        elif node.target == aten.slice.Tensor and norm_dim(node.args[1], val(node).dim()) == cls:
-            cls = None
+        cls = _class_dim_after(node, cls)
         if cls is None:
             return None
+    return cls
+
+
+def _class_dim_after(node: fx.Node, cls: int) -> int | None:
+    """Where one chain op puts the class dim ``cls`` of its input (casts keep it)."""
+    if node.target in _VIEWS:
+        return _class_dim_after_view(list(val(node.args[0]).shape), cls, list(val(node).shape))
+    if node.target in _TRANSPOSES:
+        return permutation(node).index(cls)
+    if node.target == aten.slice.Tensor and norm_dim(node.args[1], val(node).dim()) == cls:
+        return None
     return cls
 
 
@@ -261,7 +267,7 @@ def _tag_batch(nodes: list, B: int) -> None:
         v = node.meta["val"]
         if isinstance(v, tuple):
             node.meta["batch_dim"] = (BatchDim(0),) * len(v)
-        elif node.target in (aten.arange.default,) or not any(batch_dim(a) for a in node.all_input_nodes):
+        elif not any(batch_dim(a) for a in node.all_input_nodes):
             node.meta["batch_dim"] = None
         elif v.dim() and v.shape[0] == B:
             node.meta["batch_dim"] = BatchDim(0)
@@ -275,15 +281,11 @@ def _replay(b, m: _Match, N: int) -> fx.Node:
     x = b(aten.view.default, b(aten.arange.default, N, device=val(m.logits).device), [N, 1])
     cls = 1
     for node in [*m.chain, *m.to_nll]:
+        cls = _class_dim_after(node, cls)
         if node.target in _VIEWS:
-            shape = list(val(node).shape)
-            cls = _class_dim_after_view(list(val(node.args[0]).shape), cls, shape)
-            shape[cls] = 1
-            x = b(aten.reshape.default, x, shape)
+            x = b(aten.reshape.default, x, [1 if i == cls else n for i, n in enumerate(val(node).shape)])
         elif node.target in _TRANSPOSES:
-            perm = permutation(node)
-            x = b(aten.permute.default, x, perm)
-            cls = perm.index(cls)
+            x = b(aten.permute.default, x, permutation(node))
         elif node.target == aten.slice.Tensor:
             x = b(aten.slice.Tensor, x, *node.args[1:])
     return b(aten.squeeze.dim, x, 1)
