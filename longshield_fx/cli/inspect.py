@@ -128,13 +128,14 @@ def _rules_section(engine, lowered, cp: int) -> list[str]:
         by_rule.setdefault(str(rule), []).append(name)
     for rule, names in sorted(by_rule.items()):
         lines.append(f"  {rule} x{len(names)}: {', '.join(_collapse(names))}")
-    lines.append("per parameter (rule, shape, cp-shard dim of its clipped sum):")
+    lines.append("per parameter (rule, shape, cp-shard dim of its clipped sum, norm and clipped sum by):")
     shapes = {n: tuple(p.shape) for n, p in engine.model.named_parameters()}
     width = max(map(len, lowered.rules), default=0)
     for name, rule in lowered.rules.items():
         shard = lowered.shard_dims.get(name)
         where = "-" if cp == 1 else ("replicated" if shard is None else f"dim {shard}")
-        lines.append(f"  {name:<{width}}  {rule:<10} {list(shapes.get(name, ()))!s:<14} {where}")
+        lines.append(f"  {name:<{width}}  {rule:<10} {list(shapes.get(name, ()))!s:<14} {where:<10} "
+                     f"{lowered.norm_methods[name]}")
     return lines
 
 

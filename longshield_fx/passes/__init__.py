@@ -18,12 +18,13 @@ import torch.fx as fx
 
 from ..capture import CapturedGraph
 from . import batch_rules, batch_rules_indexing, per_sample_rules  # noqa: F401  (register the rules of each aten op)
-from ._context import CP_SHARD_DIM, PER_SAMPLE_RULE, PassContext
+from ._context import CP_SHARD_DIM, NORM_METHOD, PER_SAMPLE_RULE, PassContext
 from .batch_dims import batch_dims
 from .checkpoint import checkpoint
 from .chunked_loss import chunked_loss
 from .clip import clip
 from .context_parallel import context_parallel
+from .ghost_norm import ghost_norm
 from .overlap import overlap
 from .per_sample import per_sample
 from .shard_grads import shard_grads
@@ -45,6 +46,8 @@ def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None,
 
     >>> [p.__name__ for p in pipeline(training=True, cp=2, checkpointing="block")]
     ['batch_dims', 'context_parallel', 'chunked_loss', 'per_sample', 'shard_grads', 'clip', 'overlap', 'checkpoint']
+    >>> [p.__name__ for p in pipeline(training=True)]
+    ['batch_dims', 'chunked_loss', 'per_sample', 'ghost_norm', 'clip']
     """
     cp_only = cp > 1
     steps = [
@@ -53,6 +56,7 @@ def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None,
         (chunked_loss, True),
         (per_sample, True),
         (shard_grads, training and cp_only),
+        (ghost_norm, training and not cp_only),
         (clip, training),
         (overlap, training and cp_only),
         (checkpoint, checkpointing is not None),
@@ -82,6 +86,7 @@ class Lowered:
     """A rewritten graph and what its passes recorded.
 
     ``gm(*captured.gather_args(...))`` runs it. ``rules``: parameter -> per-sample rule;
+    ``norm_methods``: parameter -> ghost norm or per-sample gradient, and why;
     ``shard_dims``: parameter -> the dim its clipped sum is sharded along over cp (None:
     full on every rank).
     """
@@ -98,6 +103,11 @@ class Lowered:
     @cached_property  # the graph is not rewritten after lowering
     def rules(self) -> dict[str, str]:
         return {n: self.ctx.param_meta(n).get(PER_SAMPLE_RULE, "?") for n in self.captured.param_names}
+
+    @cached_property
+    def norm_methods(self) -> dict[str, str]:
+        """parameter -> how ``clip`` forms its norm and clipped sum, and why (``ghost_norm``)."""
+        return {n: self.ctx.param_meta(n).get(NORM_METHOD, "per-sample (no ghost_norm pass)") for n in self.captured.param_names}
 
     @cached_property  # read by every finalize
     def shard_dims(self) -> dict[str, int | None]:

@@ -31,5 +31,6 @@ class PassContext:
 # Keys of a parameter placeholder's meta, written by the pass named:
 PER_SAMPLE_GRAD = "per_sample_grad"  # per_sample (shard_grads replaces it): a PerSampleGrad
 PER_SAMPLE_RULE = "per_sample_rule"  # per_sample: the rule(s) that formed it, e.g. "linear"
+NORM_METHOD = "norm_method"  # ghost_norm: how clip computes its per-sample norm and clipped sum, and why
 CP_SHARD_DIM = "cp_shard_dim"  # shard_grads: parameter dim its gradient is sharded along over cp, or None
 

@@ -25,6 +25,12 @@ float64 (in chunks of at most ``_NORM_CHUNK`` elements, so the float64 copy stay
 and the clip factor is computed in float64, whatever the compute dtype; only its rounding
 to fp32 (2**-24) and the fp32 product remain. Embedding gradients in sparse-row form are
 clipped and summed from the token ids without a (B, V, H) tensor.
+
+Layers the ``ghost_norm`` pass moved to the ``outer`` form (g_b = L_bᵀ R_b) get their norms
+from float64 Gram matrices and their clipped sum from one fp32 matmul over all samples'
+tokens (book-keeping), as in DP-ZeRO and Opacus' ghost clipping: the norms are float64 as
+above, but that matmul's rounding (relative ~2**-24 of the summed terms) is shared among the
+samples rather than bounded per sample.
 """
 from __future__ import annotations
 
@@ -60,7 +66,8 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     names = sorted(grads, key=lambda n: _available_at(grads[n], position))
     with graph.inserting_before(output):
         real = b(aten.gt.Scalar, mask, 0)
-        sq = {name: _sq_norm(rw, b, grads[name], real) for name in names}
+        grams = {}  # one float64 Gram per ghost-norm operand (q, k and v read the same input)
+        sq = {name: _sq_norm(rw, b, grads[name], grams) for name in names}
         if ctx.cp_size > 1:
             sq = _all_reduce_shard_norms(b, ctx, sq, per_parameter=cfg.clipping == "per_layer")
         parts = list(sq.values())
@@ -92,7 +99,7 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _available_at(g: PerSampleGrad, position: dict) -> int:
-    nodes = ([g.dense] if g.dense is not None else []) + [n for pair in g.rows for n in pair]
+    nodes = ([g.dense] if g.dense is not None else []) + [n for pair in g.rows for n in pair] + list(g.outer or ())
     return max(position[n] for n in nodes)
 
 
@@ -144,9 +151,11 @@ def _concat_rows(b, g: PerSampleGrad):
     return (b(aten.cat.default, [i for i, _ in g.rows], 1), b(aten.cat.default, [v for _, v in g.rows], 1))
 
 
-def _sq_norm(rw: Rewriter, b, g: PerSampleGrad, keep) -> fx.Node:
+def _sq_norm(rw: Rewriter, b, g: PerSampleGrad, grams: dict) -> fx.Node:
     """Per-sample squared norm (B,) in float64."""
-    if g.dense is not None:
+    if g.outer and g.dense is None and not g.rows:
+        return _ghost_sq_norm(b, *g.outer, grams)
+    if g.dense is not None or g.outer:
         x = rw.densify(g)
         shape = val(x).shape
         if len(shape) == 1:
@@ -163,6 +172,31 @@ def _sq_norm(rw: Rewriter, b, g: PerSampleGrad, keep) -> fx.Node:
             total = sq if total is None else b(aten.add.Tensor, total, sq)
         return total
     return _rows_sq_norm(b, *_concat_rows(b, g), num_rows=g.shape[0])
+
+
+def _ghost_sq_norm(b, left: fx.Node, right: fx.Node, grams: dict) -> fx.Node:
+    """‖L_bᵀ R_b‖² = ⟨L_b L_bᵀ, R_b R_bᵀ⟩ (Frobenius), from (B, T, T) Grams in float64.
+
+    float64 because the inner product cancels: it sums terms of both signs whose sizes are
+    ‖L_b‖²‖R_b‖², far above the result when a sample's tokens pull the weight different
+    ways, and an underestimated norm would let the sample through unclipped. The samples
+    go in chunks whose float64 copies and Grams take no more bytes than the fp32 per-sample
+    gradient they replace; a chunk's Gram of an input several layers read is formed once.
+    """
+    B, T, m = val(left).shape
+    n = val(right).shape[2]
+    per_chunk = max(1, B * m * n // (2 * (T * (m + n) + 2 * T * T)))
+    parts = []
+    for start in range(0, B, per_chunk):
+        stop = min(B, start + per_chunk)
+        for x in (left, right):
+            if (x, start, stop) not in grams:
+                x64 = b(aten._to_copy.default, x if stop - start == B else b(aten.slice.Tensor, x, 0, start, stop),
+                        dtype=torch.float64)
+                grams[x, start, stop] = b(aten.bmm.default, x64, b(aten.transpose.int, x64, 1, 2))
+        product = b(aten.mul.Tensor, grams[left, start, stop], grams[right, start, stop])
+        parts.append(b(aten.sum.dim_IntList, product, [1, 2]))
+    return parts[0] if len(parts) == 1 else b(aten.cat.default, parts)
 
 
 def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, num_rows: int) -> fx.Node:
@@ -196,8 +230,15 @@ def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, num_rows: int) -> fx.Nod
 
 def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node) -> fx.Node:
     """sum_b factor[b] * g_b in fp32, with padding rows masked out."""
-    out = None
-    if g.dense is not None:
+    if g.outer and g.dense is None and not g.rows:  # book-keeping: one matmul over all tokens
+        left, right = g.outer
+        B, T, m = val(left).shape
+        n = val(right).shape[2]
+        scaled = b(aten.mul.Tensor, _mask_rows(b, keep, _fp32(b, left)), b(aten.view.default, factor, [B, 1, 1]))
+        right = _mask_rows(b, keep, _fp32(b, right))
+        return b(aten.mm.default, b(aten.t.default, b(aten.view.default, scaled, [B * T, m])),
+                 b(aten.view.default, right, [B * T, n]))
+    if g.dense is not None or g.outer:
         dense = rw.densify(g)
         out = b(aten.einsum.default, "b,b...->...", [factor, _mask_rows(b, keep, _fp32(b, dense))])
         return out

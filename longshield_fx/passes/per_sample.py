@@ -49,13 +49,16 @@ class PerSampleGrad:
     """One parameter's per-sample gradient as graph nodes.
 
     Sample b's gradient is ``dense[b]`` plus, for each ``(indices, values)`` in ``rows``,
-    ``values[b, j]`` added to row ``indices[b, j]``. ``dense`` is (B, *shape) or None;
-    ``indices`` is (B, n) int64 and ``values`` (B, n, *shape[1:]).
+    ``values[b, j]`` added to row ``indices[b, j]``, plus ``L[b]ᵀ R[b]`` for ``outer = (L, R)``.
+    ``dense`` is (B, *shape) or None; ``indices`` is (B, n) int64 and ``values``
+    (B, n, *shape[1:]); ``L`` is (B, T, shape[0]) and ``R`` (B, T, shape[1]) (the
+    ``ghost_norm`` pass makes this form; ``clip`` never densifies it).
     """
 
     shape: tuple
     dense: fx.Node | None = None
     rows: tuple = ()
+    outer: tuple | None = None
 
 
 class Rewriter:
@@ -182,6 +185,11 @@ class Rewriter:
 
     def densify(self, g: PerSampleGrad) -> fx.Node:
         """(B, *shape) dense form; index_add of sparse rows into a flat (B*V, ·) buffer."""
+        if g.outer:
+            outer = self.call(aten.einsum.default, "btm,btn->bmn", list(g.outer))
+            if g.dense is None and not g.rows:
+                return outer
+            return self.call(aten.add.Tensor, self.densify(PerSampleGrad(g.shape, g.dense, g.rows)), outer)
         if not g.rows:
             return g.dense
         V, row = g.shape[0], list(g.shape[1:])

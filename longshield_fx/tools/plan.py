@@ -48,7 +48,9 @@ Two layouts are planned side by side:
   for the micro-batch is live (it cannot be sharded: each GPU holds other samples).
   No activation checkpointing (hook-based DP cannot checkpoint, longshield.md §2, §3.3).
   This is the ceiling argument of longshield.md Table 2; ZeRO-DP itself uses ghost
-  clipping, which this graph does not model (see benchmarks/results/planner.md).
+  clipping, which this graph does not model (see benchmarks/results/planner.md): its
+  captures leave out the ``ghost_norm`` pass, which at the fit points' T would put some
+  layers on ghost norm and others not, depending on T.
 """
 from __future__ import annotations
 

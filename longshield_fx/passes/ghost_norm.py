@@ -1,0 +1,95 @@
+"""The ``ghost_norm`` pass: per layer, ghost norm + book-keeping instead of per-sample gradients.
+
+Rewrites: a parameter whose per-sample gradient is one einsum over its tokens,
+g_b = L_bᵀ R_b with L (B, T, m) and R (B, T, n) (a linear weight: its output gradients and
+its inputs, in either orientation), into the ``outer`` form of ``PerSampleGrad`` when the
+cost model below prefers it. ``clip`` then never forms the (B, m, n) per-sample gradient
+(the einsum dies once ``clip`` replaces the graph's outputs); it computes
+
+- the norm by ghost norm (Li et al. 2022): ‖g_b‖² = ⟨L_b L_bᵀ, R_b R_bᵀ⟩, two (T, T) Gram
+  matrices per sample, in float64 (one Gram serves every layer that reads the same input,
+  e.g. q, k and v);
+- the clipped sum by book-keeping (Bu et al. 2023, DP-ZeRO): one matmul
+  Σ_b f_b L_bᵀ R_b over the kept L and R, the cost of the non-private weight gradient.
+
+Cost model, per layer: ghost when 2T(m+n) ≤ m·n. The Grams cost B·T²·(m+n) float64
+multiply-adds where the per-sample einsum cost B·T·m·n in the compute dtype; counting a
+float64 one as two (this CPU; see the note in README), ghost is then no slower, and the L
+and R it keeps until the clip (B·T·(m+n) values) are at most half the (B, m, n) per-sample
+gradient. DP-ZeRO's rule, 2T² ≤ m·n, compares only the Grams' size with the gradient's;
+measured here (``benchmarks/ghost_norm.py``: one Linear(1024, 1024), B=8) ghost took 0.91×
+the per-sample time at T=256 but 1.58× at T=512 and 2.16× at T=1024, where that rule still
+picks it at T=512. So ghost pays for short sequences and wide layers: many samples of short
+text, not long documents.
+
+Where it stops paying, and why the pass is not in the pipeline under context parallelism:
+a rank holds T/cp tokens of each sample, and its local Grams miss the cross-rank terms
+⟨L_r L_sᵀ, R_r R_sᵀ⟩ (r ≠ s). Forming them needs the other ranks' activations (the
+output-stationary all-gather, bytes growing with T) while the reduce-scatter of the partial
+per-sample gradient (bytes independent of T) gives the norm directly. Long contexts are
+also where ghost loses on its own terms: at T = 4096 it needs m·n ≥ 8192·(m+n), which no
+Llama 3 layer has (the 8B model's MLP, 14336×4096, pays up to T = 1592).
+
+Assumes: ``per_sample`` ran on a training graph in one process (cp = 1). Guarantees: every
+trainable parameter's placeholder has ``meta[NORM_METHOD]``, the method ``clip`` will use
+and why; a parameter moved to the ``outer`` form has exactly the same per-sample gradient
+(the einsum's operands are kept as they are).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ._context import NORM_METHOD, PER_SAMPLE_GRAD, PER_SAMPLE_RULE, PassContext
+from ._graph import val
+from .per_sample import PerSampleGrad
+
+aten = torch.ops.aten
+
+
+def prefers_ghost(T: int, m: int, n: int) -> bool:
+    """Ghost norm for a (m, n) weight read by T tokens per sample: its float64 Grams cost no
+    more than the per-sample einsum (a float64 multiply-add counted as two), see above."""
+    return 2 * T * (m + n) <= m * n
+
+
+def ghost_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Move linear weights' per-sample gradients to the ``outer`` form where the cost model
+    prefers ghost norm + book-keeping (see the module docstring)."""
+    for name in ctx.captured.param_names:
+        meta = ctx.param_meta(name)
+        g = meta[PER_SAMPLE_GRAD]
+        operands = _outer_operands(g)
+        if operands is None:
+            meta[NORM_METHOD] = f"per-sample (rule {meta.get(PER_SAMPLE_RULE, '?')})"
+            continue
+        left, right = operands
+        T, m, n = val(left).shape[1], val(left).shape[2], val(right).shape[2]
+        compare = f"2T(p+d)={2 * T * (m + n)} {'≤' if prefers_ghost(T, m, n) else '>'} p·d={m * n}"
+        if prefers_ghost(T, m, n):
+            meta[PER_SAMPLE_GRAD] = PerSampleGrad(g.shape, outer=(left, right))
+            meta[NORM_METHOD] = f"ghost ({compare})"
+        else:
+            meta[NORM_METHOD] = f"per-sample ({compare})"
+    return gm
+
+
+def _outer_operands(g: PerSampleGrad) -> tuple[fx.Node, fx.Node] | None:
+    """(L, R) with g_b = L_bᵀ R_b if ``g`` is one einsum "btm,btn->bmn", possibly transposed
+    per sample; else None (embeddings' rows, sums, tied or concatenated pieces)."""
+    node, swap = g.dense, False
+    if g.rows or g.outer or node is None:
+        return None
+    while node.target == aten.permute.default and node.meta.get("per_sample"):
+        if list(node.args[1]) != [0, 2, 1]:
+            return None
+        node, swap = node.args[0], not swap
+    if node.target != aten.einsum.default or len(node.args[1]) != 2:
+        return None
+    inputs, out = node.args[0].split("->")
+    left, right = inputs.split(",")
+    b, t = left[:2]
+    if not (len(left) == len(right) == len(out) == 3 and right[:2] == b + t and out == b + left[2] + right[2]):
+        return None
+    L, R = node.args[1]
+    return (R, L) if swap else (L, R)
