@@ -75,21 +75,36 @@ def ghost_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _outer_operands(g: PerSampleGrad) -> tuple[fx.Node, fx.Node] | None:
-    """(L, R) with g_b = L_bᵀ R_b if ``g`` is one einsum "btm,btn->bmn", possibly transposed
-    per sample; else None (embeddings' rows, sums, tied or concatenated pieces)."""
+    """(L, R) with g_b = L_bᵀ R_b if ``g`` is one einsum "btm,btn->bmn", possibly transposed per
+    sample or cast (a bf16 weight's gradient cast to its fp32 parameter: ``clip`` forms norms in
+    float64 and sums in fp32 from L and R themselves, so the cast's rounding is skipped, not
+    added); else None (embeddings' rows, sums, tied or concatenated pieces)."""
     node, swap = g.dense, False
     if g.rows or g.outer or node is None:
         return None
-    while node.target == aten.permute.default and node.meta.get("per_sample"):
-        if list(node.args[1]) != [0, 2, 1]:
-            return None
-        node, swap = node.args[0], not swap
+    while True:
+        if node.target == aten.permute.default and node.meta.get("per_sample"):
+            if list(node.args[1]) != [0, 2, 1]:
+                return None
+            node, swap = node.args[0], not swap
+        elif _is_cast(node):
+            node = node.args[0]
+        else:
+            break
     if node.target != aten.einsum.default or len(node.args[1]) != 2:
         return None
     inputs, out = node.args[0].split("->")
     left, right = inputs.split(",")
-    b, t = left[:2]
-    if not (len(left) == len(right) == len(out) == 3 and right[:2] == b + t and out == b + left[2] + right[2]):
+    if not (len(left) == len(right) == len(out) == 3 and right[:2] == left[:2] and out == left[0] + left[2] + right[2]):
         return None
     L, R = node.args[1]
     return (R, L) if swap else (L, R)
+
+
+def _is_cast(node: fx.Node) -> bool:
+    """A ``_to_copy`` that changes only the dtype."""
+    if node.target != aten._to_copy.default or len(node.args) != 1:
+        return False
+    kwargs = dict(node.kwargs)
+    return (set(kwargs) <= {"dtype", "layout", "device"} and kwargs.get("layout", torch.strided) == torch.strided
+            and val(node).device == val(node.args[0]).device)

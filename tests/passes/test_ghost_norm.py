@@ -112,6 +112,28 @@ def test_ghost_equals_per_sample_path_on_hf_llama_and_under_checkpointing(make, 
     assert_same_sums(ghost, plain)
 
 
+class CastWeight(nn.Module):
+    """A weight used in another dtype (as autocast does): its gradient reaches the fp32
+    parameter through a cast of the per-sample einsum."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x.double(), self.weight.double()).pow(2).sum((1, 2))
+
+
+def test_weight_used_through_a_cast_takes_ghost_norm_with_the_same_sums():
+    torch.manual_seed(0)
+    model, x = CastWeight(), torch.randn(4, 3, 64)
+    ghost, norms, engine = clipped(model, (x,), 1.0)
+    assert engine.lower(x).norm_methods["weight"].startswith("ghost")
+    plain, plain_norms, _ = clipped(model, (x,), 1.0, disable=OFF)
+    assert_same_sums(ghost, plain)
+    torch.testing.assert_close(norms, plain_norms, rtol=1e-6, atol=0)
+
+
 def test_padding_row_of_infinities_contributes_exactly_zero_and_nonfinite_real_sample_is_dropped():
     torch.manual_seed(0)
     model, x = Wide(), torch.randn(4, 3, 64)
