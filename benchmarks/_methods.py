@@ -70,13 +70,14 @@ def _captured(model, ids, B):
     return step
 
 
-def _longshield(model, ids, B, checkpoint=None):
+def _longshield(model, ids, B, checkpoint=None, disable_passes=()):
+    """The step; ``step.engine`` is the compiled engine (for what its passes recorded)."""
     import torch
 
     import longshield_fx as lf
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    engine = lf.compile(model, config=lf.DPConfig(C, SIGMA), checkpoint=checkpoint)
+    engine = lf.compile(model, config=lf.DPConfig(C, SIGMA), checkpoint=checkpoint, disable_passes=disable_passes)
     # All B rows in every logical batch (N = B, q = 1): finalize divides by E[B] = B, as before.
     logical = lf.data.LogicalBatch(size=B, indices=torch.arange(B), physical=[], sample_rate=1.0,
                                    expected_size=float(B))
@@ -86,6 +87,7 @@ def _longshield(model, ids, B, checkpoint=None):
         engine.finalize(logical)
         opt.step()
         opt.zero_grad()
+    step.engine = engine
     return step
 
 

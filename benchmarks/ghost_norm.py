@@ -33,31 +33,20 @@ LAYER_D, LAYER_POINTS = 1024, [(128, 16), (256, 8), (512, 8), (1024, 4)]  # (T, 
 
 
 def _llama_step(config: str, T: int, B: int):
+    """step_overhead's eager and DP steps (``_methods``), DP with or without the pass."""
     import torch
 
     import longshield_fx as lf
+    from _methods import _eager, _longshield
     from longshield_fx.models import Llama
 
     torch.manual_seed(0)
     model = lf.CausalLMLoss(Llama.from_name("small"))
     ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if config == "eager":
-        def step():
-            model(ids, ids).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step, {}
-    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0), disable_passes=("ghost_norm",) if config == "off" else ())
-    batch = lf.data.LogicalBatch(size=B, indices=torch.arange(B), physical=[], sample_rate=1.0, expected_size=float(B))
-
-    def step():
-        engine.accumulate(ids, ids)
-        engine.finalize(batch)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    step()
-    methods = engine.lower(ids, ids).norm_methods
+        return _eager(model, ids, B), {}
+    step = _longshield(model, ids, B, disable_passes=("ghost_norm",) if config == "off" else ())
+    methods = step.engine.lower(ids, ids).norm_methods
     return step, {"ghost_layers": sum(m.startswith("ghost") for m in methods.values())}
 
 

@@ -99,8 +99,7 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _available_at(g: PerSampleGrad, position: dict) -> int:
-    nodes = ([g.dense] if g.dense is not None else []) + [n for pair in g.rows for n in pair] + list(g.outer or ())
-    return max(position[n] for n in nodes)
+    return max(position[n] for n in g.nodes)
 
 
 def _all_reduce_shard_norms(b, ctx: PassContext, sq: dict, per_parameter: bool) -> dict:
@@ -153,7 +152,7 @@ def _concat_rows(b, g: PerSampleGrad):
 
 def _sq_norm(rw: Rewriter, b, g: PerSampleGrad, grams: dict) -> fx.Node:
     """Per-sample squared norm (B,) in float64."""
-    if g.outer and g.dense is None and not g.rows:
+    if g.only_outer:
         return _ghost_sq_norm(b, *g.outer, grams)
     if g.dense is not None or g.outer:
         x = rw.densify(g)
@@ -230,7 +229,7 @@ def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, num_rows: int) -> fx.Nod
 
 def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node) -> fx.Node:
     """sum_b factor[b] * g_b in fp32, with padding rows masked out."""
-    if g.outer and g.dense is None and not g.rows:  # book-keeping: one matmul over all tokens
+    if g.only_outer:  # book-keeping: one matmul over all tokens
         left, right = g.outer
         B, T, m = val(left).shape
         n = val(right).shape[2]

@@ -60,6 +60,17 @@ class PerSampleGrad:
     rows: tuple = ()
     outer: tuple | None = None
 
+    @property
+    def nodes(self) -> list[fx.Node]:
+        """Every graph node this gradient is made of."""
+        return ([self.dense] if self.dense is not None else []) + [n for pair in self.rows for n in pair] \
+            + list(self.outer or ())
+
+    @property
+    def only_outer(self) -> bool:
+        """True for the ``ghost_norm`` form alone: ``L[b]ᵀ R[b]``, nothing dense or in rows."""
+        return bool(self.outer) and self.dense is None and not self.rows
+
 
 class Rewriter:
     """What a per-sample rule gets: graph building, batch geometry, and recursion."""

@@ -66,8 +66,7 @@ def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for name in ctx.captured.param_names:
         meta = ctx.param_meta(name)
         g = meta[PER_SAMPLE_GRAD]
-        pieces = ([g.dense] if g.dense is not None else []) + [n for pair in g.rows for n in pair]
-        anchor = max(pieces, key=_position(gm.graph))
+        anchor = max(g.nodes, key=_position(gm.graph))
         # inserting_before(x.next): nodes land right after x, in creation order.
         with gm.graph.inserting_before(anchor.next):
             full = rw.densify(g)
