@@ -20,6 +20,7 @@ private API                                                        why
 ``torch.ops._c10d_functional``                                       functional collectives in graphs
 ``torch.testing._internal.distributed.fake_pg``                      registers the "fake" process group
 ``torch.distributed.distributed_c10d._resolve_process_group``        a graph's group name -> its group
+``DeviceMesh._flatten``                                              one group over several mesh dims
 ``torch.distributed.tensor._op_schema``, ``._dtensor_spec``,          how an op without a hand batch rule
 ``DTensor._op_dispatcher.sharding_propagator``                       carries the batch (batch_dims)
 =================================================================  ======================================
@@ -38,10 +39,11 @@ from torch._ops import OpOverload  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (re-exported)
 
 __all__ = ["BatchArg", "COLLECTIVES", "GUARDS", "DynamoGuards", "FakeTensorMode", "OpOverload", "c10d", "descriptors",
-           "dtensor_batch_dims", "export_joint", "fake_world", "resolve_process_group"]
+           "dtensor_batch_dims", "export_joint", "fake_world", "flattened_group", "resolve_process_group"]
 
 c10d = torch.ops._c10d_functional
-COLLECTIVES = {c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.all_gather_into_tensor.default}
+COLLECTIVES = {c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
+               c10d.all_to_all_single.default}
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:
@@ -155,21 +157,29 @@ class DynamoGuards:
 
 
 @contextlib.contextmanager
-def fake_world(cp: int, dp: int = 1):
-    """A one-process fake process group of ``dp * cp`` ranks; yields its ("dp", "cp") mesh
-    (1-D "cp" when ``dp == 1``). Rank 0's view: graphs get real shapes and collective
-    nodes, nothing is sent. The group is destroyed on exit."""
+def fake_world(cp: int, dp: int = 1, hp: int = 1):
+    """A one-process fake process group of ``dp * cp * hp`` ranks; yields its mesh with dims
+    ("dp", "cp", "hp"), leaving out "dp" and "hp" where they are 1 (1-D "cp" for plain
+    context parallelism). Rank 0's view: graphs get real shapes and collective nodes,
+    nothing is sent. The group is destroyed on exit."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("fake", rank=0, world_size=dp * cp, store=dist.HashStore())
+    dims = [(name, size) for name, size in (("dp", dp), ("cp", cp), ("hp", hp)) if size > 1 or name == "cp"]
+    dist.init_process_group("fake", rank=0, world_size=dp * cp * hp, store=dist.HashStore())
     try:
-        if dp == 1:
-            yield init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-        else:
-            yield init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+        yield init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
     finally:
         dist.destroy_process_group()
+
+
+def flattened_group(mesh, dims: tuple[str, ...]) -> dist.ProcessGroup:
+    """One process group over the mesh dims ``dims`` (in the mesh's order), e.g. every rank
+    that holds part of one sequence: ("cp", "hp"). A rank's index in it is row-major over
+    those dims."""
+    if len(dims) == 1:
+        return mesh[dims[0]].get_group()
+    return mesh[dims]._flatten().get_group()
 
 
 # --- DTensor's sharding propagation, asked how an op carries the batch dimension ------------------

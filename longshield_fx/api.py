@@ -8,16 +8,22 @@ from .runtime.engine import Engine
 
 
 def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, checkpoint=None,
-            disable_passes=()) -> Engine:
+            inner_ring: int | None = None, disable_passes=()) -> Engine:
     """Compile ``model`` into a DP training engine.
 
     ``model.forward(*batch)`` must return per-sample losses of shape (B,); the objective is
     their sum (``longshield_fx.CausalLMLoss`` wraps a causal LM this way). Capture happens
     at the first call of the engine.
 
-    ``mesh``: a ``torch.distributed.DeviceMesh`` with a ``"cp"`` dimension (and optionally
-    ``"dp"``) for context-parallel training under torchrun; the model must then be a
-    ``CausalLMLoss``. Every rank passes the same full batch; the engine keeps its shard.
+    ``mesh``: a ``torch.distributed.DeviceMesh`` for sequence-parallel training under
+    torchrun, with dims ``"cp"`` (ring attention), ``"hp"`` (head-parallel all-to-all:
+    LoongTrain's 2D attention, hp x cp) or both, and optionally ``"dp"``; the model must then
+    be a ``CausalLMLoss``. Every rank passes the same full batch; the engine keeps its piece.
+    The mesh's dim order is the placement: the last dim's ranks are adjacent (("cp", "hp"):
+    head-first, hp groups inside a node; ("hp", "cp"): context-first).
+
+    ``inner_ring``: w for double-ring attention (cp/w inner rings of w adjacent cp ranks,
+    joined by an outer ring; it must divide cp). None: one ring of cp ranks.
 
     ``checkpoint``: None, ``"block"`` (recompute each transformer block's activations in the
     backward) or ``"selective"`` (as block, but keep attention outputs and their lse).
@@ -33,4 +39,4 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
         raise ValueError(f"compile: checkpoint must be None, 'block' or 'selective', got {checkpoint!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("compile: the model has no trainable parameters (all requires_grad=False)")
-    return Engine(model, config, mesh, checkpoint, disable_passes)
+    return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring)

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from ._torch import CaptureError, OpOverload, descriptors as d, export_joint
+from ._transformers import fixed_shape_experts
 from .errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -92,7 +93,8 @@ def capture(model: nn.Module, example_batch: tuple) -> CapturedGraph:
     # on the live model is avoided: we only read it.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     try:
-        gm, fake_mode = export_joint(model, example_batch)
+        with fixed_shape_experts(model):
+            gm, fake_mode = export_joint(model, example_batch)
     except CaptureError as e:
         raise UnsupportedModelError(
             f"capture: the forward cannot be traced into one graph ({e}). Way out: make the forward "

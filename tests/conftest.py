@@ -47,8 +47,8 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def fake_world():
-    """``with fake_world(cp, dp=1) as mesh:`` a one-process fake process group of dp*cp ranks
-    (rank 0's view: real shapes and collective nodes, nothing sent), destroyed on exit.
+    """``with fake_world(cp, dp=1, hp=1) as mesh:`` a one-process fake process group of
+    dp*cp*hp ranks (rank 0's view: real shapes and collective nodes, nothing sent), destroyed on exit.
     ``longshield_fx._torch.fake_world``; session-scoped so session fixtures can use it."""
     return _torch.fake_world
 
@@ -88,17 +88,17 @@ class Shared:
 
 @pytest.fixture(scope="session")
 def cp_graph(fake_world):
-    """``cp_graph(cp, dp=1, T=32, B=2, comm="input_stationary", **model_kw) -> Shared``: the
-    training graph of the tiny Llama (``DPConfig(1.0, 1.0)``) lowered on a fake world of
-    dp*cp ranks, with zero token ids. Memoised per argument set for the session (the
+    """``cp_graph(cp, dp=1, T=32, B=2, comm="input_stationary", hp=1, **model_kw) -> Shared``:
+    the training graph of the tiny Llama (``DPConfig(1.0, 1.0)``) lowered on a fake world of
+    dp*cp*hp ranks, with zero token ids. Memoised per argument set for the session (the
     fake group is gone afterwards: read graphs and metadata, do not run them);
     ``fresh=True`` lowers a new one that is not shared."""
     cache: dict = {}
 
-    def build(cp, dp=1, T=32, B=2, comm="input_stationary", fresh=False, **model_kw):
-        key = (cp, dp, T, B, comm, tuple(sorted(model_kw.items())))
+    def build(cp, dp=1, T=32, B=2, comm="input_stationary", fresh=False, hp=1, **model_kw):
+        key = (cp, dp, T, B, comm, hp, tuple(sorted(model_kw.items())))
         if fresh or key not in cache:
-            with fake_world(cp, dp) as mesh:
+            with fake_world(cp, dp, hp) as mesh:
                 engine = lf.compile(tiny_llama(**model_kw), mesh,
                                     config=lf.DPConfig(1.0, 1.0, per_sample_comm=comm))
                 ids = torch.zeros(B, T, dtype=torch.long)

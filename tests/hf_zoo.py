@@ -6,9 +6,16 @@ A tiny config is the architecture's default config with the common size fields s
 MoE experts run by transformers' fixed-shape ``batched_mm`` implementation, whose shapes do
 not depend on the routing). An architecture whose tiny config does not build or whose eager
 forward fails is listed as "no tiny config" with the reason: it says nothing about us.
+
+One decoder layer where that one layer has every part of the two-layer model, else two
+(``layers_needed``): capture traces every layer, so the layer count is most of the zoo's time
+(one layer halves it), while what the zoo checks is each op's per-sample rule, and one layer
+of each kind runs every op of the model. A default sub-config that does not shrink (over
+MAX_PARAMS parameters) is "no tiny config" without building it (a minute of initialization).
 """
 from __future__ import annotations
 
+import copy
 import signal
 import sys
 import time
@@ -21,15 +28,24 @@ import longshield_fx as lf
 from longshield_fx.errors import UnsupportedModelError
 
 B, T, VOCAB, CLIP = 2, 12, 128, 0.5
-TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64, max_position_embeddings=64, head_dim=8)
 # Applied only where the default config has the field (MoE, MLA attention).
 TINY_IF_PRESENT = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        n_routed_experts=4, shared_expert_intermediate_size=16, n_shared_experts=1,
-                       first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+                       n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, vocab_size_per_layer_input=VOCAB,
                        hidden_size_per_layer_input=8)
+# Layer counts besides num_hidden_layers, where the default config has the field: the decoder
+# of an encoder-decoder (bart's 12 by default) gets the layer count; the dense layers before
+# the first MoE layer get one fewer (two layers: a dense one, then the MoE one; one: the MoE one).
+DECODER_LAYERS = ("decoder_layers",)
+DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
 BUILD_SECONDS = 60
+# A tiny config has 1e4-1e5 parameters (git's unused default vision tower: 9e7). Over this, a
+# default sub-config did not shrink (2.7e9 for gemma3's text model): initializing it takes up to
+# a minute and its forward, where it builds at all, does not fit MEMORY_LIMIT.
+MAX_PARAMS = 250_000_000
 
 
 @dataclass
@@ -44,12 +60,17 @@ def architectures() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, layers: int = 2):
+    """The tiny config with ``layers`` (1 or 2) decoder layers; one layer is the two-layer
+    config's second: its per-layer kinds (``mlp_layer_types``: the MoE layer of a dense-first MoE)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
     default = cls()
-    over = dict(TINY, attn_implementation="sdpa", experts_implementation="batched_mm")
-    over.update({k: v for k, v in TINY_IF_PRESENT.items() if getattr(default, k, None) is not None})
+    over = dict(TINY, num_hidden_layers=layers, attn_implementation="sdpa", experts_implementation="batched_mm")
+    present = dict(TINY_IF_PRESENT, **{k: layers for k in DECODER_LAYERS}, **{k: layers - 1 for k in DENSE_FIRST})
+    over.update({k: v for k, v in present.items() if getattr(default, k, None) is not None})
+    if layers == 1:
+        over.update({k: v[-1:] for k, v in _per_layer_kinds(tiny_config(model_type, 2)).items()})
     over.update({k: 0.0 for k, v in vars(default).items() if ("dropout" in k or k.endswith("pdrop"))
                  and isinstance(v, float)})
     try:
@@ -61,25 +82,72 @@ def tiny_config(model_type: str):
         cfg.head_dim = cfg.qk_rope_head_dim  # and every head has its own latent K/V
         cfg.num_key_value_heads = cfg.num_attention_heads
     if isinstance(getattr(cfg, "layer_types", None), list):
-        cfg.layer_types = cfg.layer_types[:TINY["num_hidden_layers"]]
+        cfg.layer_types = cfg.layer_types[:layers]
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= VOCAB:
             setattr(cfg, k, 0)
     return cfg
 
 
-def build(model_type: str) -> lf.CausalLMLoss:
+def _per_layer_kinds(cfg) -> dict:
+    """The config's per-layer lists of kinds (``layer_types``, ``mlp_layer_types``, ...)."""
+    n = getattr(cfg, "num_hidden_layers", None)
+    return {k: v for k, v in vars(cfg).items()
+            if isinstance(v, list) and len(v) == n and all(isinstance(x, str) for x in v)}
+
+
+def _from_config(cfg):
     import transformers
-    cfg = tiny_config(model_type)
-    torch.manual_seed(0)
     try:
-        lm = transformers.AutoModelForCausalLM.from_config(cfg)
+        return transformers.AutoModelForCausalLM.from_config(cfg)
     except ValueError as e:
         if "attention implementation" not in str(e):
             raise
         cfg._attn_implementation = "eager"  # no SDPA path: attention as matmul + softmax
-        lm = transformers.AutoModelForCausalLM.from_config(cfg)
-    return lf.CausalLMLoss(lm).eval()
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _outline(cfg):
+    """(what the model is made of, its parameter count), built on the meta device (no memory, no
+    initialization); None where that fails (the real build then says why). What it is made of:
+    each module class with the names of its submodules and parameters (a layer's optional
+    submodule counts), and the attention kinds of its layers."""
+    try:
+        with torch.device("meta"):
+            lm = _from_config(copy.deepcopy(cfg))
+    except Exception:
+        return None
+    parts = set(getattr(cfg, "layer_types", None) or ())
+    for m in lm.modules():
+        names = [] if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) else [n for n, _ in m.named_children()]
+        parts.update(f"{type(m).__name__}.{n}" for n in [""] + names + [n for n, _ in m.named_parameters(recurse=False)])
+    return parts, sum(p.numel() for p in lm.parameters())
+
+
+class NotTiny(Exception):
+    pass
+
+
+def layers_needed(model_type: str) -> int:
+    """1 where the one-layer model has every part (module classes with their submodules and
+    parameters, attention kinds) of the two-layer one, else 2 (gemma2's sliding and full
+    attention, minimax's linear and full, nemotron_h's Mamba and MoE). Raises the two-layer
+    config's error, or NotTiny where its model is over MAX_PARAMS."""
+    two = _outline(tiny_config(model_type, 2))
+    if two is not None and two[1] > MAX_PARAMS:
+        raise NotTiny(f"{two[1]:.1e} parameters: a default sub-config does not shrink")
+    try:
+        one = _outline(tiny_config(model_type, 1))
+    except Exception:
+        return 2
+    return 1 if two is not None and one is not None and one[0] == two[0] else 2
+
+
+def build(model_type: str, layers: int | None = None) -> lf.CausalLMLoss:
+    """The tiny model: ``layers`` decoder layers, or as many as ``layers_needed`` says."""
+    cfg = tiny_config(model_type, layers or layers_needed(model_type))
+    torch.manual_seed(0)
+    return lf.CausalLMLoss(_from_config(cfg)).eval()
 
 
 def batch():
@@ -128,11 +196,16 @@ def run(model_type: str) -> Outcome:
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(BUILD_SECONDS)
     try:
-        model = build(model_type)
-        ids, labels = batch()
-        with torch.no_grad():
-            model(ids, labels)  # the whole batch, as we capture it
-        ref = loop_per_sample_grads(model, ids, labels)
+        layers = layers_needed(model_type)
+        try:
+            model, ids, labels, ref = _eager(model_type, layers)
+        except _Timeout:
+            raise
+        except Exception:
+            if layers == 2:
+                raise
+            # One layer may fail where two run (rwkv's init divides by layers - 1): two decide.
+            model, ids, labels, ref = _eager(model_type, 2)
     except Exception as e:  # the architecture, not us: its own eager forward does not run
         return Outcome("no tiny config", f"{type(e).__name__}: {_first_line(e)}")
     finally:
@@ -150,6 +223,15 @@ def run(model_type: str) -> Outcome:
     except Exception as e:
         return Outcome("crash", f"{type(e).__name__}: {_first_line(e)}")
     return Outcome("exact", f"{err:.1e}", err)
+
+
+def _eager(model_type: str, layers: int):
+    """The model, the batch and the oracle's per-sample gradients."""
+    model = build(model_type, layers)
+    ids, labels = batch()
+    with torch.no_grad():
+        model(ids, labels)  # the whole batch, as we capture it
+    return model, ids, labels, loop_per_sample_grads(model, ids, labels)
 
 
 def _error(model, ids, labels, ref) -> float:

@@ -1,5 +1,7 @@
 """Shared test oracles (what our results are compared against) and the tiny models and batches
 they run on. Imported by tests, ``conftest.py`` and ``runtime/cp_worker.py`` alike."""
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -93,6 +95,16 @@ def hf_llama(seed=0):
     return lf.CausalLMLoss(transformers.LlamaForCausalLM(cfg))
 
 
+def hf_qwen2(seed=0):
+    """Four query heads sharing ONE K/V head: 2D attention must replicate it for hp >= 2."""
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    return lf.CausalLMLoss(transformers.Qwen2ForCausalLM(cfg))
+
+
 def hf_gpt2(seed=0):
     import transformers
     torch.manual_seed(seed)
@@ -129,30 +141,55 @@ def causal_attention(q, k, v, grad):
 
 # --- the distributed cases (tests/runtime/cp_worker.py runs them, test_parallel.py checks them) ---
 
-# name -> (world size, model kind, dp, checkpoint policy, per_sample_comm); cp = world // dp.
+class CPCase(NamedTuple):
+    """A distributed case: ``world`` ranks, cp = world // (dp * hp)."""
+
+    world: int
+    kind: str  # case_model's key
+    dp: int = 1
+    policy: str | None = None  # checkpointing
+    comm: str = "input_stationary"  # DPConfig.per_sample_comm
+    hp: int = 1  # head-parallel degree (2D attention)
+    inner_ring: int | None = None  # double ring: inner ring size
+
+
 CP_CASES = {
-    "cp2-llama": (2, "llama", 1, None, "input_stationary"),
-    "cp2-hf_llama": (2, "hf_llama", 1, None, "input_stationary"),
-    "cp2-llama-block": (2, "llama", 1, "block", "input_stationary"),
-    "cp2-hf_llama-selective": (2, "hf_llama", 1, "selective", "input_stationary"),
-    "cp2-llama-output_stationary": (2, "llama", 1, None, "output_stationary"),
-    "cp2-llama_units": (2, "llama_units", 1, None, "input_stationary"),
-    "cp4-llama": (4, "llama", 1, None, "input_stationary"),
-    "cp4-hf_llama": (4, "hf_llama", 1, None, "input_stationary"),
-    "dp2cp2-llama": (4, "llama", 2, None, "input_stationary"),
-    "dp2cp2-hf_llama": (4, "hf_llama", 2, None, "input_stationary"),
+    "cp2-llama": CPCase(2, "llama"),
+    "cp2-hf_llama": CPCase(2, "hf_llama"),
+    "cp2-llama-block": CPCase(2, "llama", policy="block"),
+    "cp2-hf_llama-selective": CPCase(2, "hf_llama", policy="selective"),
+    "cp2-llama-output_stationary": CPCase(2, "llama", comm="output_stationary"),
+    "cp2-llama_units": CPCase(2, "llama_units"),
+    "cp4-llama": CPCase(4, "llama"),
+    "cp4-hf_qwen2": CPCase(4, "hf_qwen2"),
+    "dp2cp2-llama": CPCase(4, "llama", dp=2),
+    "dp2cp2-hf_llama": CPCase(4, "hf_llama", dp=2),
+    # 2D attention (hp x cp). The tiny Llama has 2 K/V heads, Qwen2 here 1: hp=4 replicates
+    # both, hp=2 replicates Qwen2's.
+    "hp2cp2-llama": CPCase(4, "llama", hp=2),
+    "hp2cp2-hf_qwen2": CPCase(4, "hf_qwen2", hp=2),
+    "hp2cp2-hf_qwen2-selective": CPCase(4, "hf_qwen2", policy="selective", hp=2),
+    "hp4-llama": CPCase(4, "llama", hp=4),
+    "hp4-hf_qwen2": CPCase(4, "hf_qwen2", hp=4),
+    "dp2hp2-llama": CPCase(4, "llama", dp=2, hp=2),
+    # Double ring: cp=4 as two inner rings of 2.
+    "cp4w2-llama": CPCase(4, "llama", inner_ring=2),
+    "cp4w2-hf_qwen2": CPCase(4, "hf_qwen2", inner_ring=2),
 }
 CP_CLIP = 0.05  # max_grad_norm of the distributed cases: small enough that samples are clipped
 CP_NOISE_SEED, CP_NOISE_E = 7, 4.0  # the noisy run: insecure_seed, and the expected batch size it divides by
 
 
+CP_STEPS, CP_LR = 3, 0.5  # the training run: SGD steps (noise 0) on each replica's batch
+
+
 def case_model(kind: str):
-    return {"llama": tiny_llama, "llama_units": tiny_llama, "hf_llama": hf_llama}[kind](seed=0)
+    return {"llama": tiny_llama, "llama_units": tiny_llama, "hf_llama": hf_llama, "hf_qwen2": hf_qwen2}[kind](seed=0)
 
 
 def case_batches(kind: str, dp: int, T: int = 16) -> list:
     """One (2, T) batch of token ids per dp replica (input ids = labels); "llama_units":
     (2, 3, T), samples of three rows each."""
-    vocab = 128 if kind == "hf_llama" else 256
+    vocab = 128 if kind.startswith("hf_") else 256
     shape = (2, 3, T) if kind == "llama_units" else (2, T)
     return [torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(s)) for s in range(dp)]

@@ -84,3 +84,44 @@ def test_a_buffer_reassigned_to_itself_in_forward_is_captured(persistent):
     engine.per_sample_grads(x)
     assert engine.captures == 1  # the capture's guards hold on the next step
     assert model.table is table and set(model.state_dict()) == keys  # the live module is untouched
+
+
+def _longcat_experts(zero_experts: int):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+    cfg = transformers.LongcatFlashConfig(hidden_size=6, expert_ffn_hidden_size=5, n_routed_experts=3,
+                                          zero_expert_num=zero_experts)
+    torch.manual_seed(0)
+    experts = LongcatFlashExperts(cfg).double()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    return experts
+
+
+@pytest.mark.parametrize("zero_experts", [0, 2])
+def test_longcat_flash_fixed_shape_experts_equal_the_eager_loop(zero_experts):
+    """The capture's stand-in for LongCat-Flash's eager expert loop: same output and gradients
+    (zero experts pass their input through; experts no token chose get exactly zero)."""
+    from longshield_fx._transformers import fixed_shape_experts
+    experts = _longcat_experts(zero_experts)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 2 + zero_experts, (7, 2), generator=g)
+    ids[ids >= 2] += 1  # routed expert 2 is never chosen; 3, 4 are the zero experts
+    ids[0] = torch.tensor([0, 1])
+    weights = torch.rand(7, 2, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def run():
+        out = experts(x, ids, weights)
+        grads = torch.autograd.grad(out.pow(2).sum(), [x, weights, *experts.parameters()])
+        return out, grads
+
+    eager, eager_grads = run()
+    with fixed_shape_experts(experts):
+        assert "forward" in vars(experts)
+        fixed, fixed_grads = run()
+    assert "forward" not in vars(experts)
+    torch.testing.assert_close(fixed, eager, rtol=1e-12, atol=1e-12)
+    for a, b in zip(fixed_grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert fixed_grads[3][2].abs().sum() == 0 and fixed_grads[2][2:].abs().sum() == 0  # expert 2, zero experts

@@ -106,9 +106,12 @@ def say(*args, **kwargs):
 def check_seq_len(args):
     if args.seq_len < 2:
         raise CLIError(f"--seq-len must be >= 2 (a next-token loss needs two tokens), got {args.seq_len}")
-    if args.seq_len % (2 * args.cp):
-        raise CLIError(f"--seq-len {args.seq_len} is not a multiple of 2*cp = {2 * args.cp} (each of the {args.cp} "
-                       "context-parallel ranks holds two zig-zag chunks)")
+    hp = getattr(args, "hp", 1)
+    if args.seq_len % (2 * args.cp * hp):
+        what = "2*cp" if hp == 1 else "2*cp*hp"
+        cut = f", cut into {hp} head-parallel pieces" if hp > 1 else ""
+        raise CLIError(f"--seq-len {args.seq_len} is not a multiple of {what} = {2 * args.cp * hp} (each of the "
+                       f"{args.cp} context-parallel ranks holds two zig-zag chunks{cut})")
 
 
 def check_model_flags(args) -> None:

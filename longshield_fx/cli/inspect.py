@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from .common import CLIError, Formatter, add_model_args, build_model, check_model_flags, check_seq_len, rank, say, \
+from .common import CLIError, Formatter, add_model_args, build_model, check_model_flags, check_seq_len, positive_int, rank, say, \
     setup_distributed, under_torchrun
 
 DESCRIPTION = (
@@ -24,7 +24,7 @@ DESCRIPTION = (
     "installed), and the whole graph's code, to --out.\n\n"
     "--cp N > 1 outside torchrun uses a fake process group of N ranks in this one process\n"
     "(shapes and collectives are real, nothing is sent).")
-HARDWARE = ["H100-NVLink", "H100-IB", "CPU-gloo"]
+HARDWARE = ["H100-NVLink", "H100-IB", "2x4-H100-IB", "CPU-gloo"]
 
 
 def add_parser(sub) -> None:
@@ -37,6 +37,10 @@ def add_parser(sub) -> None:
     i.add_argument("--out", default="runs/inspect", metavar="DIR", help="where the graph files go")
     i.add_argument("--memory", action="store_true",
                    help="print the liveness memory estimate of the training graph (peak and the tensors making it)")
+    i.add_argument("--hp", type=positive_int, default=1, metavar="N",
+                   help="head-parallel degree (2D attention over hp x cp ranks; fake process group only)")
+    i.add_argument("--inner-ring", type=positive_int, default=None, metavar="W",
+                   help="double-ring attention: inner rings of W cp ranks (default: one ring)")
     i.add_argument("--timeline", choices=HARDWARE, nargs="?", const="H100-NVLink", default=None,
                    help="draw the cost-model compute/communication timeline for this hardware to timeline.png in "
                    "--out and print the exposed communication (default: none; the flag alone: H100-NVLink)")
@@ -187,18 +191,23 @@ def _lower(args, stack: contextlib.ExitStack):
 
     from .._torch import fake_world
 
-    fake = args.cp > 1 and not under_torchrun()
+    fake = args.cp * args.hp > 1 and not under_torchrun()
     if fake:
-        mesh, dp = stack.enter_context(fake_world(args.cp)), 1
+        mesh, dp = stack.enter_context(fake_world(args.cp, hp=args.hp)), 1
+    elif args.hp > 1:
+        raise CLIError("inspect --hp builds the graph on a fake process group: run it without torchrun")
     else:
         mesh, dp, _ = setup_distributed(args.cp, "cpu", "inspect")
     model, _, model_name = build_model(args)
     config = lf.DPConfig(args.max_grad_norm, 1.0, clipping=args.clipping)  # graph only: no noise drawn
-    engine = lf.compile(model, mesh, config=config, checkpoint=None if args.checkpoint == "none" else args.checkpoint)
+    engine = lf.compile(model, mesh, config=config, checkpoint=None if args.checkpoint == "none" else args.checkpoint,
+                        inner_ring=args.inner_ring)
     ids = torch.randint(0, 256, (args.physical_batch_size, args.seq_len),
                         generator=torch.Generator().manual_seed(args.seed))
     lowered = engine.lower(ids, ids)
-    where = f"cp={args.cp}" + (" (fake process group, one process)" if fake else "") + (f", dp={dp}" if dp > 1 else "")
+    where = (f"cp={args.cp}" + (f" x hp={args.hp}" if args.hp > 1 else "")
+             + (f", inner ring {args.inner_ring}" if args.inner_ring else "")
+             + (" (fake process group, one process)" if fake else "") + (f", dp={dp}" if dp > 1 else ""))
     header = (f"{model_name}: {sum(p.numel() for p in model.parameters()):,} parameters; batch "
               f"({args.physical_batch_size}, {args.seq_len}); {where}; checkpointing {args.checkpoint}; "
               f"{args.clipping} clipping")
@@ -229,10 +238,10 @@ def _write_files(args, lowered, model_name: str) -> None:
 
 
 def _timeline(args, gm, out: Path, model_name: str) -> None:
-    from ..tools.cost_model import HARDWARE, draw_timeline, simulate
+    from ..tools.cost_model import HARDWARE, SequenceLayout, draw_timeline, simulate
 
-    timeline = simulate(gm, HARDWARE[args.timeline])
-    draw_timeline(timeline, str(out / "timeline.png"), f"{model_name}, cp={args.cp}, {args.timeline}: exposed "
+    timeline = simulate(gm, HARDWARE[args.timeline], SequenceLayout(args.hp, args.cp, args.inner_ring or 0))
+    draw_timeline(timeline, str(out / "timeline.png"), f"{model_name}, cp={args.cp}, hp={args.hp}, {args.timeline}: exposed "
                   f"communication {timeline.exposed_comm * 1e3:.3f} of {timeline.comm * 1e3:.3f} ms")
     say(f"timeline ({args.timeline}, cost model): step {timeline.total * 1e3:.3f} ms, communication "
         f"{timeline.comm * 1e3:.3f} ms of which exposed {timeline.exposed_comm * 1e3:.3f} ms -> {out / 'timeline.png'}")

@@ -26,7 +26,15 @@ def add_parser(sub) -> None:
                    "(default: none; required unless --table)")
     p.add_argument("--gpu-mem-gb", type=positive_float, help="memory per GPU in GiB (80 for an 80 GB H100) "
                    "(default: none; required unless --table, where it is 80)")
-    p.add_argument("--cp", type=positive_int, default=None, help="context-parallel degree (default: --gpus)")
+    p.add_argument("--cp", type=positive_int, default=None,
+                   help="context-parallel (ring) degree (default: --gpus / --hp)")
+    p.add_argument("--hp", type=positive_int, default=1,
+                   help="head-parallel degree: 2D attention over hp x cp ranks (LoongTrain)")
+    p.add_argument("--search-attention", metavar="CLUSTER", default=None,
+                   choices=["H100-NVLink", "H100-IB", "2x4-H100-IB", "CPU-gloo"],
+                   help="also rank every (hp, cp, inner ring w, placement) of --gpus sequence-parallel ranks by the "
+                        "cost model's attention time on CLUSTER, at --seq-len or the DP layout's longest T "
+                        "(default: none)")
     p.add_argument("--checkpoint", choices=["block", "selective"], default=None,
                    help="activation checkpointing of the DP layout (default: none)")
     p.add_argument("--mbs", type=positive_int, default=1, help="micro-batch size (samples per GPU per step)")
@@ -51,13 +59,14 @@ def _request(args) -> int:
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "gpus", "gpu_mem_gb") if getattr(args, n) is None]
     if missing:
         raise CLIError(f"the following arguments are required: {', '.join(missing)}")
-    cp = args.gpus if args.cp is None else args.cp
+    cp = args.gpus // args.hp if args.cp is None else args.cp
     try:
-        check_args(args.model, args.gpus, args.gpu_mem_gb, cp, args.mbs)
+        check_args(args.model, args.gpus, args.gpu_mem_gb, cp, args.mbs, args.hp)
     except PlanError as e:
         raise CLIError(str(e)) from None
-    if args.seq_len is not None and args.seq_len % (2 * cp):
-        raise CLIError(f"--seq-len {args.seq_len} must be a multiple of 2*cp = {2 * cp}")
+    if args.seq_len is not None and args.seq_len % (2 * cp * args.hp):
+        what = "2*cp" if args.hp == 1 else "2*cp*hp"
+        raise CLIError(f"--seq-len {args.seq_len} must be a multiple of {what} = {2 * cp * args.hp}")
     return cp
 
 
@@ -74,7 +83,8 @@ def plan(args) -> int:
     cp = _request(args)
     start = time.perf_counter()
     plans = make_plan(args.model, args.gpus, args.gpu_mem_gb, cp=cp, checkpoint=args.checkpoint, mbs=args.mbs,
-                      dtype=args.dtype, overhead_gib=args.overhead_gb, cache_dir=cache_dir, jobs=args.jobs)
+                      dtype=args.dtype, overhead_gib=args.overhead_gb, cache_dir=cache_dir, jobs=args.jobs,
+                      hp=args.hp)
     header = (f"longshield-fx plan: {args.model}, {args.gpus} x {args.gpu_mem_gb:g} GiB, mbs {args.mbs}, "
               f"{args.dtype} ({time.perf_counter() - start:.0f}s)")
     print(format_plan(list(plans), header=header))
@@ -84,4 +94,31 @@ def plan(args) -> int:
             b = p.breakdown(args.seq_len)
             fits = "fits" if b.total <= p.gpu_mem else "OOM"
             print(f"  {p.title:<22} " + " ".join(f"{k} {v:.2f}" for k, v in b.as_gib().items()) + f"  ({fits})")
+    if args.search_attention:
+        T = args.seq_len or plans[0].max_T
+        if T is None:
+            raise CLIError("--search-attention: the DP layout fits no T; pass --seq-len")
+        print("\n" + search_table(args.model, args.gpus, T, args.mbs, args.dtype, args.search_attention))
     return 0
+
+
+def search_table(model: str, gpus: int, T: int, mbs: int, dtype: str, cluster: str) -> str:
+    """Every attention layout of ``gpus`` sequence-parallel ranks, fastest first, by the cost model."""
+    from ..models import CONFIGS
+    from ..tools.cost_model import HARDWARE, search_attention
+    from ..tools.plan import DTYPES, tokens
+
+    cfg = CONFIGS[model]
+    costs = search_attention(HARDWARE[cluster], gpus, batch=mbs, seq_len=T, heads=cfg.n_heads,
+                             kv_heads=cfg.n_kv_heads, head_dim=cfg.dim // cfg.n_heads,
+                             elem_bytes=DTYPES[dtype].itemsize)
+    lines = [f"attention layouts of {gpus} ranks on {cluster} at T={tokens(T)} (cost model, one layer fwd + bwd, "
+             "LoongTrain section 4.5):", f"{'layout':<44} {'total ms':>9} {'ring ms':>9} {'all-to-all ms':>14}"]
+    lines += [f"{c.layout.label():<44} {c.total * 1e3:9.3f} {c.ring * 1e3:9.3f} {c.all_to_all * 1e3:14.3f}"
+              for c in costs]
+    best = costs[0]
+    sizes = {"cp": best.layout.cp, "hp": best.layout.hp}
+    dims = tuple(d for d in (("cp", "hp") if best.layout.head_first else ("hp", "cp")) if sizes[d] > 1)
+    lines.append(f"chosen: {best.layout.label()} ({best.total * 1e3:.3f} ms per layer): mesh dims {dims}"
+                 + (f", compile(..., inner_ring={best.layout.w})" if best.layout.w != best.layout.cp else ""))
+    return "\n".join(lines)

@@ -21,6 +21,15 @@ skipped, ``j == i`` is causal, ``j < i`` is full. Pairs are fused into one kerne
 
 Every rank therefore computes ``2*cp + 1`` chunk pairs (2 causal + ``2*cp - 1`` full) in ``cp`` calls.
 
+Double ring (LoongTrain Alg. 2, ``inner`` = w < cp): the cp ranks form cp/w inner rings of w
+consecutive ranks (rank = g*w + p), and the inner rings an outer ring. At outer step o rank
+(g, p) holds the outer block of rank (g-o, p), passed one outer hop per step to (g+1, p) while
+the inner ring rotates it w-1 times among (g, *): at inner step i the block of (g-o, p-i).
+Every rank still meets every K/V block once (same pairs, same merge), so the result is
+identical; the hops differ: w-1 inner hops per outer step and cp/w-1 outer hops, concurrent
+(with inner rings inside a node, the outer hops are the only inter-node traffic and all
+nodes' NICs carry them at once). ``inner=cp`` is the single ring.
+
 Blocks are merged with their log-sum-exp (fp32 accumulation). The backward pass rotates K/V around
 the ring again, calls the per-block flash backward with the GLOBAL (merged) ``out`` / ``lse`` (which
 gives the exact gradients of full attention: dq summed over blocks, dk/dv per block), and sends the
@@ -230,15 +239,15 @@ def _resolve_group(group_name: str, cp: int) -> tuple[dist.ProcessGroup, int]:
 
 
 class _Exchange:
-    """Send ``buf`` to the next ring rank and receive the same-shaped buffer from the previous."""
+    """Send ``buf`` to group rank ``to`` and receive the same-shaped buffer from ``source``."""
 
-    def __init__(self, buf: Tensor, group: dist.ProcessGroup, rank: int, cp: int):
+    def __init__(self, buf: Tensor, group: dist.ProcessGroup, to: int, source: int):
         self._send = buf.contiguous()
         self._recv = torch.empty_like(self._send)
         self._works = dist.batch_isend_irecv(
             [
-                dist.P2POp(dist.isend, self._send, group=group, group_peer=(rank + 1) % cp),
-                dist.P2POp(dist.irecv, self._recv, group=group, group_peer=(rank - 1) % cp),
+                dist.P2POp(dist.isend, self._send, group=group, group_peer=to),
+                dist.P2POp(dist.irecv, self._recv, group=group, group_peer=source),
             ]
         )
 
@@ -247,6 +256,35 @@ class _Exchange:
             w.wait()
         self._send = None
         return self._recv
+
+
+class _Rings:
+    """Peers and block sources of the (double) ring of cp ranks with inner rings of ``w``."""
+
+    def __init__(self, group, rank: int, cp: int, w: int):
+        self.group, self.rank, self.cp, self.w = group, rank, cp, w
+        self.outer = cp // w
+        g, p = divmod(rank, w)
+        self._g, self._p = g, p
+        self.inner_peers = (g * w + (p + 1) % w, g * w + (p - 1) % w)  # (to, from)
+        self.outer_peers = (((g + 1) % self.outer) * w + p, ((g - 1) % self.outer) * w + p)
+
+    def source(self, o: int, i: int) -> int:
+        """Whose K/V block this rank holds at outer step o, inner step i."""
+        return ((self._g - o) % self.outer) * self.w + (self._p - i) % self.w
+
+    def inner_exchange(self, buf: Tensor) -> _Exchange:
+        return _Exchange(buf, self.group, *self.inner_peers)
+
+    def outer_exchange(self, buf: Tensor) -> _Exchange:
+        return _Exchange(buf, self.group, *self.outer_peers)
+
+
+def _inner_ring(cp: int, inner: int) -> int:
+    w = cp if inner in (0, cp) else inner
+    if w < 1 or cp % w:
+        raise ValueError(f"the inner ring size {inner} must divide cp={cp}")
+    return w
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, cp: int) -> int:
@@ -267,33 +305,40 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, cp: int) -> int:
 
 @torch.library.custom_op("longshield::ring_attention", mutates_args=())
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str, cp: int
+    q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str, cp: int, inner: int = 0
 ) -> tuple[Tensor, Tensor]:
     """Causal attention of the local zig-zag shard against the whole (ring-distributed) sequence.
 
-    q: (B, Hq, L, D), k/v: (B, Hkv, L, D), L = T/cp. Returns out (B, Hq, L, D) in q's dtype and
-    lse (B, Hq, L) fp32 (natural log)."""
+    q: (B, Hq, L, D), k/v: (B, Hkv, L, D), L = T/cp. ``inner``: the inner ring size w of a
+    double ring (0 or cp: one ring). Returns out (B, Hq, L, D) in q's dtype and lse (B, Hq, L)
+    fp32 (natural log)."""
     groups = _check_shapes(q, k, v, cp)
+    w = _inner_ring(cp, inner)
     group, rank = _resolve_group(group_name, cp) if cp > 1 else (None, 0)
+    rings = _Rings(group, rank, cp, w)
     B, Hq, L, D = q.shape
     acc_out = torch.zeros(B, Hq, L, D, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((B, Hq, L), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = torch.stack([k, v])  # travels un-repeated
+    outer_kv = torch.stack([k, v])  # travels un-repeated
     pairs = calls = 0
-    for s in range(cp):
-        ex = _Exchange(kv, group, rank, cp) if s < cp - 1 else None
-        src = (rank - s) % cp
-        kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
-        for qs, ks, causal, n in block_plan(cp, rank, src):
-            o, lse = _block_fwd(_sel(q, qs), _sel(kk, ks), _sel(vv, ks), causal, scale)
-            a_out, a_lse = _sel(acc_out, qs), _sel(acc_lse, qs)
-            new = torch.logaddexp(a_lse, lse)
-            a_out.mul_(torch.exp(a_lse - new).unsqueeze(-1))
-            a_out.add_(o.float() * torch.exp(lse - new).unsqueeze(-1))
-            a_lse.copy_(new)
-            pairs, calls = pairs + n, calls + 1
-        if ex is not None:
-            kv = ex.wait()
+    for o in range(rings.outer):
+        outer_ex = rings.outer_exchange(outer_kv) if o < rings.outer - 1 else None
+        kv = outer_kv
+        for i in range(w):
+            ex = rings.inner_exchange(kv) if i < w - 1 else None
+            kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
+            for qs, ks, causal, n in block_plan(cp, rank, rings.source(o, i)):
+                out, lse = _block_fwd(_sel(q, qs), _sel(kk, ks), _sel(vv, ks), causal, scale)
+                a_out, a_lse = _sel(acc_out, qs), _sel(acc_lse, qs)
+                new = torch.logaddexp(a_lse, lse)
+                a_out.mul_(torch.exp(a_lse - new).unsqueeze(-1))
+                a_out.add_(out.float() * torch.exp(lse - new).unsqueeze(-1))
+                a_lse.copy_(new)
+                pairs, calls = pairs + n, calls + 1
+            if ex is not None:
+                kv = ex.wait()
+        if outer_ex is not None:
+            outer_kv = outer_ex.wait()
     last_block_counts.update(forward=pairs, forward_calls=calls)
     return _flash_layout(acc_out.to(q.dtype)), _flash_layout(acc_lse)
 
@@ -315,8 +360,9 @@ def _empty_flash_layout(shape, like: Tensor, dtype=None) -> Tensor:
 
 
 @ring_attention.register_fake
-def _(q, k, v, scale, group_name, cp):
+def _(q, k, v, scale, group_name, cp, inner=0):
     _check_shapes(q, k, v, cp)
+    _inner_ring(cp, inner)
     B, Hq, L, _ = q.shape
     return _empty_flash_layout(q.shape, q), _empty_flash_layout((B, Hq, L), q, torch.float32)
 
@@ -332,62 +378,76 @@ def ring_attention_backward(
     scale: float,
     group_name: str,
     cp: int,
+    inner: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`ring_attention`: dq (B, Hq, L, D), dk/dv (B, Hkv, L, D) of the local
     K/V shard (summed over the GQA group and over all ranks' queries)."""
     groups = _check_shapes(q, k, v, cp)
+    w = _inner_ring(cp, inner)
     group, rank = _resolve_group(group_name, cp) if cp > 1 else (None, 0)
+    rings = _Rings(group, rank, cp, w)
     grad_out = grad_out.to(q.dtype)
     out = out.to(q.dtype)
     lse = lse.float()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack([k, v])
-    dkv_ex = None
+    outer_kv = torch.stack([k, v])
+    outer_dkv_ex = None
     pairs = calls = 0
-    for s in range(cp):
-        ex = _Exchange(kv, group, rank, cp) if s < cp - 1 else None
-        src = (rank - s) % cp
-        kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        for qs, ks, causal, n in block_plan(cp, rank, src):
-            dq_b, dk_b, dv_b = _block_bwd(
-                _sel(grad_out, qs).contiguous(),
-                _sel(q, qs),
-                _sel(kk, ks),
-                _sel(vv, ks),
-                _sel(out, qs).contiguous(),
-                _sel(lse, qs).contiguous(),
-                causal,
-                scale,
-            )
-            _sel(dq, qs).add_(dq_b)
-            _sel(dkv[0], ks).add_(_reduce_heads(dk_b, groups))
-            _sel(dkv[1], ks).add_(_reduce_heads(dv_b, groups))
-            pairs, calls = pairs + n, calls + 1
-        if dkv_ex is not None:  # accumulator of this block from the ranks before us
-            dkv += dkv_ex.wait()
-        if cp > 1:
-            dkv_ex = _Exchange(dkv, group, rank, cp)
-        if ex is not None:
-            kv = ex.wait()
-    if dkv_ex is not None:  # last hop: our own block's gradient comes back from rank - 1
-        dkv = dkv_ex.wait()
+    for o in range(rings.outer):
+        outer_ex = rings.outer_exchange(outer_kv) if o < rings.outer - 1 else None
+        kv, dkv_ex = outer_kv, None
+        for i in range(w):
+            ex = rings.inner_exchange(kv) if i < w - 1 else None
+            kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            for qs, ks, causal, n in block_plan(cp, rank, rings.source(o, i)):
+                dq_b, dk_b, dv_b = _block_bwd(
+                    _sel(grad_out, qs).contiguous(),
+                    _sel(q, qs),
+                    _sel(kk, ks),
+                    _sel(vv, ks),
+                    _sel(out, qs).contiguous(),
+                    _sel(lse, qs).contiguous(),
+                    causal,
+                    scale,
+                )
+                _sel(dq, qs).add_(dq_b)
+                _sel(dkv[0], ks).add_(_reduce_heads(dk_b, groups))
+                _sel(dkv[1], ks).add_(_reduce_heads(dv_b, groups))
+                pairs, calls = pairs + n, calls + 1
+            if dkv_ex is not None:  # accumulator of this block from the inner ranks before us
+                dkv += dkv_ex.wait()
+            if w > 1:
+                dkv_ex = rings.inner_exchange(dkv)
+            if ex is not None:
+                kv = ex.wait()
+        if dkv_ex is not None:  # the inner ring's last hop: this group's sum for the outer block
+            dkv = dkv_ex.wait()
+        if outer_dkv_ex is not None:  # the sum of the groups that held the outer block before
+            dkv += outer_dkv_ex.wait()
+        if rings.outer > 1:
+            outer_dkv_ex = rings.outer_exchange(dkv)
+        if outer_ex is not None:
+            outer_kv = outer_ex.wait()
+    if outer_dkv_ex is not None:  # the outer ring's last hop: our own block's gradient comes back
+        dkv = outer_dkv_ex.wait()
     last_block_counts.update(backward=pairs, backward_calls=calls)
     # dk/dv are views of one buffer: custom ops may not return aliasing outputs, so copy.
     return _flash_layout(dq.to(q.dtype)), _flash_layout(dkv[0].to(k.dtype)), _flash_layout(dkv[1].to(v.dtype))
 
 
 @ring_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, scale, group_name, cp):
+def _(grad_out, q, k, v, out, lse, scale, group_name, cp, inner=0):
     _check_shapes(q, k, v, cp)
+    _inner_ring(cp, inner)
     return _empty_flash_layout(q.shape, q), _empty_flash_layout(k.shape, k), _empty_flash_layout(v.shape, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, group_name, cp = inputs
+    q, k, v, scale, group_name, cp, inner = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.scale, ctx.group_name, ctx.cp = scale, group_name, cp
+    ctx.scale, ctx.group_name, ctx.cp, ctx.inner = scale, group_name, cp, inner
     ctx.mark_non_differentiable(lse)
 
 
@@ -396,9 +456,9 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.longshield.ring_attention_backward(
-        grad_out, q, k, v, out, lse, ctx.scale, ctx.group_name, ctx.cp
+        grad_out, q, k, v, out, lse, ctx.scale, ctx.group_name, ctx.cp, ctx.inner
     )
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup_context)

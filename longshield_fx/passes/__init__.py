@@ -40,9 +40,9 @@ def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None,
 
     ``training``: the clipped-sum graph (True) or the per-sample-gradient graph (False,
     ``engine.per_sample_grads``; its gradients stay full under cp). ``cp``: the
-    context-parallel degree. ``checkpointing``: the activation-checkpointing policy.
-    ``disable``: pass names to leave out, for experiments and benchmarks; a name not in
-    the list is an error.
+    sequence-parallel degree (cp x hp ranks share a sequence). ``checkpointing``: the
+    activation-checkpointing policy. ``disable``: pass names to leave out, for experiments
+    and benchmarks; a name not in the list is an error.
 
     >>> [p.__name__ for p in pipeline(training=True, cp=2, checkpointing="block")]
     ['batch_dims', 'context_parallel', 'chunked_loss', 'per_sample', 'shard_grads', 'clip', 'overlap', 'checkpoint']

@@ -10,16 +10,23 @@ from ..capture import CapturedGraph
 class PassContext:
     """The inputs every pass may read; passes never write to it.
 
-    ``cp_*``: the context-parallel group (size 1: one process); ``checkpoint``: the
-    activation-checkpointing policy (None, "block" or "selective").
+    ``sp_*``: the sequence-parallel group, every rank holding part of a sample's sequence
+    (size 1: one process); within it ``cp_*`` is the attention ring and ``hp_*`` the head
+    all-to-all of 2D attention (sp = cp x hp). ``checkpoint``: the activation-checkpointing
+    policy (None, "block" or "selective").
     """
 
     captured: CapturedGraph
     batch_size: int
     config: object = None
+    sp_size: int = 1
+    sp_group_name: str | None = None
+    sp_rank: int = 0
     cp_size: int = 1
     cp_group_name: str | None = None
-    cp_rank: int = 0
+    cp_inner: int = 0  # double ring: inner ring size w (0: one ring)
+    hp_size: int = 1
+    hp_group_name: str | None = None
     checkpoint: str | None = None
 
     def param_meta(self, name: str) -> dict:
@@ -32,5 +39,8 @@ class PassContext:
 PER_SAMPLE_GRAD = "per_sample_grad"  # per_sample (shard_grads replaces it): a PerSampleGrad
 PER_SAMPLE_RULE = "per_sample_rule"  # per_sample: the rule(s) that formed it, e.g. "linear"
 NORM_METHOD = "norm_method"  # ghost_norm: how clip computes its per-sample norm and clipped sum, and why
-CP_SHARD_DIM = "cp_shard_dim"  # shard_grads: parameter dim its gradient is sharded along over cp, or None
+CP_SHARD_DIM = "cp_shard_dim"  # shard_grads: parameter dim its gradient is sharded along over sp, or None
 
+
+# Keys of a node's meta:
+KEEP_SELECTIVE = "keep_under_selective"  # context_parallel: selective checkpointing keeps this 2D-attention value

@@ -13,14 +13,17 @@ Regions come from the module path dynamo records on each forward node
 ``h.0``) is the region. Kept from the forward, per region: the nodes that the forward
 outside the region reads (the block's output, i.e. the next block's input) and, with
 ``"selective"``, the attention outputs and their log-sum-exp (LoongTrain's Selective
-Checkpoint++), so attention (and its ring communication under cp) is not recomputed.
+Checkpoint++), so attention (and its ring communication under cp) is not recomputed; under
+2D attention also the ring's q/k/v and the output after their hp all-to-alls, so no
+all-to-all is recomputed either.
 With ``"block"`` ring attention is recomputed with its communication.
 
 Random ops (dropout) are kept with their masks, never recomputed: a recomputation would
 draw another mask, so the backward would differentiate a different function.
 
 Assumes: forward nodes carry ``partitioner_tag == "is_forward"`` and module stacks; the
-only random op inside regions is ``native_dropout`` (any other impure op is refused).
+only random op inside regions is ``native_dropout`` (any other impure op but functional
+collectives is refused).
 Guarantees: the same values as without the pass (the copies compute the same ops on the
 same inputs, random draws are not repeated); the graph stays topologically ordered.
 """
@@ -31,9 +34,10 @@ import re
 import torch
 import torch.fx as fx
 
+from .._torch import COLLECTIVES, c10d
 from ..errors import UnsupportedModelError
 from .. import ops  # noqa: F401  (registers longshield::ring_attention)
-from ._context import PassContext
+from ._context import KEEP_SELECTIVE, PassContext
 from ._graph import FUSED_ATTENTION
 
 aten = torch.ops.aten
@@ -67,10 +71,12 @@ def checkpoint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if policy == "selective" and _is_attention(node):
             keep.add(node)
             keep.update(node.users)  # its getitems: out and lse
+        if policy == "selective" and node.meta.get(KEEP_SELECTIVE):
+            keep.add(node)  # 2D attention's inputs and output after their all-to-alls
         if _is_random(node):
             keep.add(node)  # recomputed, it would draw another mask
             keep.update(node.users)
-        elif node.is_impure() and not _is_attention(node):
+        elif node.is_impure() and not _is_attention(node) and not _is_collective(node):
             raise UnsupportedModelError(f"checkpoint: {node.target} ({node.name}) in {r} is impure; "
                                         "recomputing it would change the result")
     recompute = {n for n in region if n not in keep}
@@ -117,6 +123,12 @@ def _is_random(node: fx.Node) -> bool:
         p = node.args[dropout] if dropout < len(node.args) else node.kwargs.get("dropout_p", 0.0)
         return p > 0
     return False
+
+
+def _is_collective(node: fx.Node) -> bool:
+    """A functional collective or its wait: recomputed, every rank issues it again in the
+    same graph order, so it returns the same value (the ring's own hops are recomputed alike)."""
+    return node.target in COLLECTIVES or node.target == c10d.wait_tensor.default
 
 
 def _is_attention(node: fx.Node) -> bool:

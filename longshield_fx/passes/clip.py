@@ -68,7 +68,7 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         real = b(aten.gt.Scalar, mask, 0)
         grams = {}  # one float64 Gram per ghost-norm operand (q, k and v read the same input)
         sq = {name: _sq_norm(rw, b, grads[name], grams) for name in names}
-        if ctx.cp_size > 1:
+        if ctx.sp_size > 1:
             sq = _all_reduce_shard_norms(b, ctx, sq, per_parameter=cfg.clipping == "per_layer")
         parts = list(sq.values())
         total = parts[0]
@@ -114,14 +114,14 @@ def _all_reduce_shard_norms(b, ctx: PassContext, sq: dict, per_parameter: bool) 
     sq = dict(sq)
     if per_parameter:
         stacked = b(aten.stack.default, [sq[n] for n in sharded])
-        stacked = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, stacked, "sum", ctx.cp_group_name))
+        stacked = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, stacked, "sum", ctx.sp_group_name))
         for i, n in enumerate(sharded):
             sq[n] = b(aten.select.int, stacked, 0, i)
         return sq
     partial = sq.pop(sharded[0])
     for n in sharded[1:]:
         partial = b(aten.add.Tensor, partial, sq.pop(n))
-    sq["<sharded>"] = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, partial, "sum", ctx.cp_group_name))
+    sq["<sharded>"] = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, partial, "sum", ctx.sp_group_name))
     return sq
 
 

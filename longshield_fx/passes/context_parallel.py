@@ -1,4 +1,4 @@
-"""The ``context_parallel`` pass: attention -> ring attention over the cp group.
+"""The ``context_parallel`` pass: attention -> ring attention over cp, or 2D attention over hp x cp.
 
 Rewrites: every causal fused-attention node (``_graph.FUSED_ATTENTION``: the CPU flash kernel, and the
 CUDA flash / memory-efficient / cuDNN kernels) and its backward into
@@ -8,15 +8,27 @@ the rewrite looks through the K/V head repeat (``view(clone(expand(unsqueeze(k, 
 travel with Hkv heads, and replaces the gradient's group-sum
 ``sum(view(dk_rep, [B, Hkv, g, T, D]), [2], keepdim=True)`` by the ring backward's dk directly.
 
-Assumes: the graph was captured on one rank's zig-zag shard of the sequence (the engine
-feeds the tokens' global positions, so RoPE is unchanged); attention is causal, either
+With head parallelism (hp > 1, LoongTrain's 2D attention) each rank holds one hp-th of its cp
+rank's tokens; around the ring, functional ``all_to_all_single`` collectives over hp trade
+heads for sequence (``_HeadAllToAll``): q, k, v go from (B, H, T/sp, D) to (B, H/hp, T/cp, D),
+the ring runs over cp on H/hp heads, and the output comes back to (B, H, T/sp, D); the
+backward mirrors it (grad_out forward, dq/dk/dv back). When Hkv < hp, each K/V head is
+replicated hp/Hkv times before the all-to-all and the replicas' gradients are summed after
+it (LoongTrain Fig. 8); when hp divides Hkv only the real heads move. Everything outside
+attention is unchanged: linear layers see their T/sp tokens, and ``shard_grads`` reduces
+per-sample gradients over the whole sp group.
+
+Assumes: the graph was captured on one rank's piece of the sequence (the engine feeds the
+tokens' global positions, so RoPE is unchanged); attention is causal, either
 ``is_causal=True`` or a mask that depends on no sample data (Hugging Face builds its
 causal mask from an all-ones attention mask, which ``ShardedCausalLMLoss`` passes). Other
 attention (dropout, sample-dependent masks, attention written as matmul + softmax over the
-sequence) stops with ``UnsupportedModelError``.
+sequence, head counts hp does not split) stops with ``UnsupportedModelError``.
 
 Guarantees: the rewritten graph computes exactly full causal attention over the global
-sequence on each rank's shard; the new nodes carry ``meta["val"]`` and batch tags.
+sequence on each rank's tokens; the new nodes carry ``meta["val"]`` and batch tags, and
+the nodes that selective checkpointing keeps (the ring's inputs and the attention output
+after the all-to-all) carry ``meta[KEEP_SELECTIVE]``.
 """
 from __future__ import annotations
 
@@ -25,11 +37,12 @@ import operator
 import torch
 import torch.fx as fx
 
+from .._torch import c10d
 from ..errors import UnsupportedModelError
 from .. import ops  # noqa: F401  (registers longshield::ring_attention)
-from ._context import PassContext
+from ._context import KEEP_SELECTIVE, PassContext
 from ._graph import FUSED_ATTENTION, GraphBuilder, module_of, val
-from .batch_dims import batch_dim, register_batch_rule
+from .batch_dims import BatchDim, batch_dim, register_batch_rule
 
 aten = torch.ops.aten
 ring_fwd = torch.ops.longshield.ring_attention.default
@@ -73,19 +86,31 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         k, k_group_sum = _unrepeat(k_rep)
         v, v_group_sum = _unrepeat(v_rep)
         bwd = backward_of.get((q, k_rep, v_rep))
+        tag = batch_dim(q)
+        heads = _HeadAllToAll(b, ctx, fwd, val(q).shape[1], val(k).shape[1], where) if ctx.hp_size > 1 else None
         with graph.inserting_before(fwd):
-            ring = b(ring_fwd, q, k, v, scale, ctx.cp_group_name, ctx.cp_size)
-            out, lse = b(operator.getitem, ring, 0), b(operator.getitem, ring, 1)
-        for node in (ring, out, lse):
-            node.meta["batch_dim"] = (batch_dim(q),) * 2 if node is ring else batch_dim(q)
-            node.meta["partitioner_tag"] = "is_forward"
-            node.meta["nn_module_stack"] = fwd.meta.get("nn_module_stack")
-        _replace_getitems(fwd, {0: out, 1: lse})
+            q_ring, k_ring, v_ring = (q, k, v) if heads is None else heads.forward_inputs(q, k, v)
+            ring = b(ring_fwd, q_ring, k_ring, v_ring, scale, ctx.cp_group_name or "", ctx.cp_size, _inner(ctx))
+            out_ring, lse_ring = b(operator.getitem, ring, 0), b(operator.getitem, ring, 1)
+            for node in (ring, out_ring, lse_ring):
+                node.meta["batch_dim"] = (tag,) * 2 if node is ring else tag
+                _mark_forward(node, fwd)
+            out = out_ring if heads is None else heads.output(out_ring)
+        _replace_getitems(fwd, {0: out} if heads is not None else {0: out, 1: lse_ring})
         if bwd is None:
             continue
         with graph.inserting_before(bwd):
-            grads = b(ring_bwd, bwd.args[0], q, k, v, out, lse, scale, ctx.cp_group_name, ctx.cp_size)
-        _replace_backward(b, bwd, grads, batch_dim(q), grouped=(k_group_sum is not None, v_group_sum is not None))
+            grad_out = bwd.args[0] if heads is None else heads.to_sequence(bwd.args[0], tag)
+            grads = b(ring_bwd, grad_out, q_ring, k_ring, v_ring, out_ring, lse_ring, scale,
+                      ctx.cp_group_name or "", ctx.cp_size, _inner(ctx))
+            grads.meta["batch_dim"] = (tag,) * 3
+            dq, dk, dv = (b(operator.getitem, grads, i) for i in range(3))
+            for node in (dq, dk, dv):
+                node.meta["batch_dim"] = tag
+            if heads is not None:
+                dq = heads.to_heads(dq, tag)
+                dk, dv = (heads.to_heads(d, tag, replicas=heads.kv_replicas) for d in (dk, dv))
+        _replace_backward(b, bwd, (dq, dk, dv), grouped=(k_group_sum is not None, v_group_sum is not None))
     graph.eliminate_dead_code()
     # fx keeps attention kernels it thinks random (dropout argument) even when unused, and the
     # CUDA kernels' RNG outputs keep a forward alive until its backward is gone: erase by hand,
@@ -99,16 +124,12 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _replace_backward(b: GraphBuilder, bwd: fx.Node, grads: fx.Node, tag, grouped: tuple[bool, bool]) -> None:
-    """Route the users of ``bwd``'s (dq, dk, dv) to the ring backward's. Under GQA the graph
-    sums dk/dv over the repeated heads' group; the ring backward's dk/dv already have Hkv
-    heads, so that group-sum is replaced by them (unsqueezed to its keepdim shape)."""
+def _replace_backward(b: GraphBuilder, bwd: fx.Node, grads: tuple, grouped: tuple[bool, bool]) -> None:
+    """Route the users of ``bwd``'s (dq, dk, dv) to ``grads``. Under GQA the graph sums dk/dv
+    over the repeated heads' group; the ring backward's dk/dv already have Hkv heads, so that
+    group-sum is replaced by them (unsqueezed to its keepdim shape)."""
     graph = bwd.graph
-    with graph.inserting_before(bwd):
-        dq, dk, dv = (b(operator.getitem, grads, i) for i in range(3))
-        for node in (dq, dk, dv):
-            node.meta["batch_dim"] = tag
-        grads.meta["batch_dim"] = (tag,) * 3
+    dq, dk, dv = grads
     replacements = {0: dq}
     for i, grad, group_summed in ((1, dk, grouped[0]), (2, dv, grouped[1])):
         if not group_summed:
@@ -121,6 +142,103 @@ def _replace_backward(b: GraphBuilder, bwd: fx.Node, grads: fx.Node, tag, groupe
         kept.meta["batch_dim"] = batch_dim(sum_node)
         sum_node.replace_all_uses_with(kept)
     _replace_getitems(bwd, replacements)
+
+
+def _inner(ctx: PassContext) -> int:
+    """The ring op's ``inner`` argument: 0 for one ring (graphs then read as before)."""
+    return 0 if ctx.cp_inner in (0, ctx.cp_size) else ctx.cp_inner
+
+
+def _mark_forward(node: fx.Node, like: fx.Node) -> None:
+    node.meta["partitioner_tag"] = "is_forward"
+    node.meta["nn_module_stack"] = like.meta.get("nn_module_stack")
+
+
+class _HeadAllToAll:
+    """The hp all-to-alls of one attention layer (Ulysses' SeqAlltoAll): nodes built at the
+    graph's insertion point, batch-tagged, forward ones marked as forward of ``fwd``.
+
+    A (B, X, L, D) tensor is cut into hp head groups; group j goes to hp rank j, and the
+    pieces received (one per hp rank, in rank order = sequence order) are joined along L.
+    ``to_heads`` is the inverse and returns the flash kernels' layout (heads inner to L),
+    which the graph around attention was traced with.
+    """
+
+    def __init__(self, b: GraphBuilder, ctx: PassContext, fwd: fx.Node, heads: int, kv_heads: int, where: str):
+        hp = ctx.hp_size
+        if heads % hp:
+            raise UnsupportedModelError(f"context_parallel: {heads} attention heads at {where} cannot be split "
+                                        f"over hp={hp}; pick hp dividing the head count")
+        if kv_heads % hp and hp % kv_heads:
+            raise UnsupportedModelError(f"context_parallel: {kv_heads} K/V heads at {where} can be neither split "
+                                        f"over hp={hp} nor replicated to it; pick hp dividing or divided by "
+                                        f"{kv_heads}")
+        self.b, self.fwd, self.hp, self.group = b, fwd, ctx.hp_size, ctx.hp_group_name
+        self.kv_replicas = 1 if kv_heads % hp == 0 else hp // kv_heads
+
+    def forward_inputs(self, q, k, v):
+        tag = batch_dim(q)
+        if self.kv_replicas > 1:
+            k, v = (self._replicate(x, tag) for x in (k, v))
+        ring_inputs = tuple(self.to_sequence(x, tag, forward=True) for x in (q, k, v))
+        for x in ring_inputs:
+            x.meta[KEEP_SELECTIVE] = True
+        return ring_inputs
+
+    def output(self, out_ring):
+        out = self.to_heads(out_ring, batch_dim(out_ring), forward=True)
+        out.meta[KEEP_SELECTIVE] = True
+        return out
+
+    def to_sequence(self, x, tag, forward=False):
+        """(B, X, L, D) -> (B, X/hp, hp*L, D)."""
+        B, X, L, D = val(x).shape
+        hp = self.hp
+        parts = self._call(aten.view.default, [x, [B, hp, X // hp, L, D]], tag, forward)
+        parts = self._call(aten.permute.default, [parts, [1, 0, 2, 3, 4]], tag.at(1), forward)
+        received = self._exchange(parts, tag.at(1), forward)  # (hp, B, X/hp, L, D): row j = rank j's tokens
+        joined = self._call(aten.permute.default, [received, [1, 2, 0, 3, 4]], tag, forward)
+        joined = self._call(aten.clone.default, [joined], tag, forward, memory_format=torch.contiguous_format)
+        return self._call(aten.view.default, [joined, [B, X // hp, hp * L, D]], tag, forward)
+
+    def to_heads(self, y, tag, replicas=1, forward=False):
+        """(B, X, hp*L, D) -> (B, hp*X / replicas, L, D) in flash layout, summing each head's
+        ``replicas`` consecutive copies."""
+        B, X, S, D = val(y).shape
+        hp, L = self.hp, S // self.hp
+        parts = self._call(aten.view.default, [y, [B, X, hp, L, D]], tag, forward)
+        parts = self._call(aten.permute.default, [parts, [2, 0, 1, 3, 4]], tag.at(1), forward)
+        received = self._exchange(parts, tag.at(1), forward)  # (hp, B, X, L, D): row j = head group j
+        joined = self._call(aten.permute.default, [received, [1, 3, 0, 2, 4]], tag, forward)
+        joined = self._call(aten.clone.default, [joined], tag, forward, memory_format=torch.contiguous_format)
+        heads = self._call(aten.view.default, [joined, [B, L, hp * X, D]], tag, forward)
+        if replicas > 1:
+            grouped = self._call(aten.view.default, [heads, [B, L, hp * X // replicas, replicas, D]], tag, forward)
+            heads = self._call(aten.sum.dim_IntList, [grouped, [3]], tag, forward)
+        return self._call(aten.transpose.int, [heads, 1, 2], tag, forward)
+
+    def _replicate(self, x, tag):
+        """(B, Hkv, L, D) -> (B, Hkv*r, L, D), head h's copies consecutive (query head groups
+        on hp rank j all read K/V head j*Hkv/hp)."""
+        B, H, L, D = val(x).shape
+        r = self.kv_replicas
+        x = self._call(aten.unsqueeze.default, [x, 2], tag, True)
+        x = self._call(aten.expand.default, [x, [B, H, r, L, D]], tag, True)
+        x = self._call(aten.clone.default, [x], tag, True, memory_format=torch.contiguous_format)
+        return self._call(aten.view.default, [x, [B, H * r, L, D]], tag, True)
+
+    def _exchange(self, parts, tag, forward):
+        parts = self._call(aten.clone.default, [parts], tag, forward, memory_format=torch.contiguous_format)
+        ones = [1] * self.hp
+        sent = self._call(c10d.all_to_all_single.default, [parts, ones, ones, self.group], tag, forward)
+        return self._call(c10d.wait_tensor.default, [sent], tag, forward)
+
+    def _call(self, op, args, tag: BatchDim, forward: bool, **kwargs):
+        node = self.b(op, *args, **kwargs)
+        node.meta["batch_dim"] = tag
+        if forward:
+            _mark_forward(node, self.fwd)
+        return node
 
 
 def _refuse_unrewritten_attention(graph: fx.Graph) -> None:

@@ -1,6 +1,7 @@
-"""The ``shard_grads`` pass: reduce-scatter local partial per-sample gradients over cp.
+"""The ``shard_grads`` pass: reduce-scatter local partial per-sample gradients over sp.
 
-Under context parallelism each cp rank holds T/cp tokens of every sample, so the
+The sequence-parallel group ("sp": the cp ranks, times hp under 2D attention; written cp
+below) shares each sequence. Each rank holds T/cp tokens of every sample, so the
 ``per_sample`` einsum gives a PARTIAL per-sample gradient (B, p, d): the sum over the
 local tokens only. The full per-sample gradient is the sum over the cp group. This pass
 inserts, right after each parameter's per-sample gradient (the input-stationary pattern
@@ -21,7 +22,7 @@ growing with T. Offered to measure the trade-off; input-stationary is the defaul
 Embedding gradients in sparse-row form are made dense (B, V, H) first: rows from
 different cp ranks may hit the same token and must be added before any norm.
 
-Assumes: ``per_sample`` ran with the sequence sharded over ``ctx.cp_group``.
+Assumes: ``per_sample`` ran with the sequence sharded over ``ctx.sp_group_name``.
 Guarantees: each parameter placeholder's ``meta[PER_SAMPLE_GRAD].dense`` is the shard (or
 the replicated full gradient) and ``meta[CP_SHARD_DIM]`` the parameter dim it is sharded
 along (None: replicated), so ``clip`` can all-reduce the squared norms of the shards
@@ -57,8 +58,8 @@ def _position(graph: fx.Graph):
 
 
 def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Reduce-scatter (or all-reduce) per-sample gradients over cp (see the module docstring)."""
-    cp, group = ctx.cp_size, ctx.cp_group_name
+    """Reduce-scatter (or all-reduce) per-sample gradients over sp (see the module docstring)."""
+    cp, group = ctx.sp_size, ctx.sp_group_name
     rw = Rewriter(gm, ctx)
     output = gm.graph.output_node()
     loss, *_ = output.args[0]
@@ -113,7 +114,7 @@ def _output_stationary(rw: Rewriter, einsum: fx.Node, dim: int, ctx: PassContext
     all-to-all; gathering both moves more bytes, and the count reported is what this
     does). Bytes grow linearly with T, unlike the reduce-scatter.
     """
-    cp, group, rank = ctx.cp_size, ctx.cp_group_name, ctx.cp_rank
+    cp, group, rank = ctx.sp_size, ctx.sp_group_name, ctx.sp_rank
     spec = einsum.args[0]
     inputs, out = spec.split("->")
     labels = inputs.split(",")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .._torch import GUARDS
+from .._transformers import fixed_shape_experts
 from ..capture import capture
 from ..config import DPConfig
 from ..data import LogicalBatch
@@ -55,16 +56,16 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None, checkpoint=None,
-                 disable_passes=()):
+                 disable_passes=(), inner_ring: int | None = None):
         self.model = model
         self.checkpoint = checkpoint
         self.config = config
-        self.parallel = Parallel.from_mesh(model, mesh)
+        self.parallel = Parallel.from_mesh(model, mesh, inner_ring)
         # The ordered passes of each graph: "train" (clipped sums) and "per_sample" (the
         # per-sample gradients behind ``per_sample_grads``). "train" has every pass of
         # "per_sample"; a disabled pass is left out of each graph that has it (overlap is
         # only in "train"), and a name that is in neither is an error (raised here).
-        cp = self.parallel.cp
+        cp = self.parallel.sp  # the sequence-parallel degree decides the passes
         in_per_sample = {p.__name__ for p in pipeline(training=False, cp=cp, checkpointing=checkpoint)}
         self.pipelines = {
             "train": pipeline(training=True, cp=cp, checkpointing=checkpoint, disable=disable_passes),
@@ -143,10 +144,16 @@ class Engine:
             return describe_change(state, now)
         if guards is None:
             return None
-        # The caller's grad mode does not matter: capture and runs set their own.
-        with torch.enable_grad():
-            failed = guards.failure(self.parallel.capture_module(self.model), sharded_batch)
+        failed = self._guard_failure(guards, sharded_batch)
         return None if failed is None else f"a guard of the capture failed: {failed}"
+
+    def _guard_failure(self, guards, sharded_batch) -> str | None:
+        """Dynamo's guards checked on the live model as ``capture`` saw it: in grad mode (the
+        caller's does not matter: capture and runs set their own) and with the capture's
+        fixed-shape forwards swapped in."""
+        module = self.parallel.capture_module(self.model)
+        with torch.enable_grad(), fixed_shape_experts(module):
+            return guards.failure(module, sharded_batch)
 
     def _lower(self, graph: str, batch) -> Lowered:
         dtype = self._dtype()
@@ -170,8 +177,10 @@ class Engine:
                 f"the model must return per-sample losses of shape ({B},), got "
                 f"{None if loss_val is None else tuple(loss_val.shape)}; wrap a language model in "
                 "longshield_fx.CausalLMLoss or return loss.sum(dim=1)-style per-sample values")
-        ctx = PassContext(captured, B, self.config, cp_size=self.parallel.cp,
-                          cp_group_name=self.parallel.cp_group_name, cp_rank=self.parallel.cp_rank,
+        par = self.parallel
+        ctx = PassContext(captured, B, self.config, sp_size=par.sp, sp_group_name=par.sp_group_name,
+                          sp_rank=par.sp_rank, cp_size=par.cp, cp_group_name=par.cp_group_name,
+                          cp_inner=par.inner_ring, hp_size=par.hp, hp_group_name=par.hp_group_name,
                           checkpoint=self.checkpoint)
         # Passes first: a pass names a mixing op (batch norm) better than the mutation does.
         lowered = lower(ctx, self.pipelines[graph])
@@ -188,10 +197,8 @@ class Engine:
             return None
         captured = self._pristine[1]
         guards = captured.gm.meta.get(GUARDS)
-        if guards is not None:
-            with torch.enable_grad():
-                if guards.failure(self.parallel.capture_module(self.model), sharded_batch) is not None:
-                    return None
+        if guards is not None and self._guard_failure(guards, sharded_batch) is not None:
+            return None
         return captured.copy()
 
     def _check_shapes(self, batch):
@@ -237,7 +244,7 @@ class Engine:
         args = captured.gather_args(self.model, sharded, cotangent, dtype=self._dtype())
         with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             loss_sum, norms, *sums = gm(*args)
-            loss_sum = self.parallel.sum_over_cp(loss_sum)
+            loss_sum = self.parallel.sum_over_sp(loss_sum)
         nonfinite = int((~torch.isfinite(norms)).sum())
         self.nonfinite_samples += nonfinite
         self._nonfinite_step += nonfinite
@@ -313,7 +320,7 @@ class Engine:
         with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             _, *grads = gm(*args)
             # Each cp rank holds the partial gradient of its tokens; the full one is their sum.
-            grads = [self.parallel.sum_over_cp(g) for g in grads]
+            grads = [self.parallel.sum_over_sp(g) for g in grads]
         return dict(zip(captured.param_names, grads))
 
     # --- checkpoints ----------------------------------------------------------------------

@@ -1,10 +1,13 @@
-"""Context/data parallel plumbing for the engine: sharding, collectives outside the graph.
+"""Sequence/data parallel plumbing for the engine: sharding, collectives outside the graph.
 
-With no mesh everything here is the identity. With a mesh (dims "cp" and optionally "dp"):
-- inputs are cut along the sequence into each cp rank's zig-zag shard, labels shifted over
-  the FULL sequence first and global positions passed, so the per-rank graph computes the
-  same loss terms as one process;
-- ``finalize`` gathers the cp-sharded clipped sums (full gradients on every rank, for a
+With no mesh everything here is the identity. With a mesh (dims "cp", "hp", "dp"; any of
+them may be left out, but one of "cp" / "hp" must be there):
+- the sequence-parallel ("sp") group is every rank holding part of one sequence: hp x cp
+  ranks. Inputs are cut along the sequence into each cp rank's zig-zag shard, that shard
+  into hp contiguous pieces (the head all-to-all of 2D attention puts them back together),
+  labels shifted over the FULL sequence first and global positions passed, so the per-rank
+  graph computes the same loss terms as one process;
+- ``finalize`` gathers the sp-sharded clipped sums (full gradients on every rank, for a
   replicated optimizer) and sums them over dp, before the noise is added once.
 """
 from __future__ import annotations
@@ -15,34 +18,53 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._torch import c10d
+from .._torch import c10d, flattened_group
 from ..losses import CausalLMLoss, ShardedCausalLMLoss, shift_labels
-from ..ops.ring_attention import shard_sequence, zigzag_index
+from ..ops.ring_attention import zigzag_index
 
 
 _PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "peer")
+_DIMS = ("dp", "cp", "hp")
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
 
 
 class Parallel:
-    def __init__(self, mesh=None, cp_group=None, dp_group=None):
+    """The groups of a mesh: ``cp`` (the attention ring), ``hp`` (the head all-to-all),
+    ``sp`` (both: per-sample gradient reduce-scatter, norms, losses) and ``dp``."""
+
+    def __init__(self, mesh=None, cp_group=None, dp_group=None, hp_group=None, sp_group=None,
+                 inner_ring: int | None = None):
         self.mesh = mesh
-        self.cp_group, self.dp_group = cp_group, dp_group
-        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
-        self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        self.cp_group, self.dp_group, self.hp_group = cp_group, dp_group, hp_group
+        self.sp_group = sp_group if sp_group is not None else (cp_group if hp_group is None else hp_group)
+        self.cp, self.dp, self.hp, self.sp = _size(cp_group), _size(dp_group), _size(hp_group), _size(self.sp_group)
+        self.cp_rank, self.hp_rank, self.sp_rank = _rank(cp_group), _rank(hp_group), _rank(self.sp_group)
         self.cp_group_name = cp_group.group_name if cp_group is not None else None
+        self.hp_group_name = hp_group.group_name if hp_group is not None else None
+        self.sp_group_name = self.sp_group.group_name if self.sp_group is not None else None
+        self.inner_ring = inner_ring or self.cp  # w: the double ring's inner ring size (cp: one ring)
+        if self.cp % self.inner_ring:
+            raise ValueError(f"compile: inner_ring={inner_ring} must divide cp={self.cp} (the mesh's 'cp' size)")
 
     @classmethod
-    def from_mesh(cls, model: nn.Module, mesh) -> "Parallel":
+    def from_mesh(cls, model: nn.Module, mesh, inner_ring: int | None = None) -> "Parallel":
         if mesh is None:
+            if inner_ring is not None:
+                raise ValueError("compile: inner_ring needs a mesh with a 'cp' dimension")
             return cls()
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if "cp" not in names:
-            raise ValueError(f"compile: the mesh needs a dimension named 'cp' (and optionally 'dp'), got "
-                             f"{names or 'unnamed dims'}; e.g. init_device_mesh('cpu', (2,), mesh_dim_names=('cp',))")
-        unknown = set(names) - {"cp", "dp"}
-        if unknown:
-            raise ValueError(f"compile: unknown mesh dimensions {sorted(unknown)}; only 'cp' and 'dp' are supported")
+        unknown = set(names) - set(_DIMS)
+        if unknown or not {"cp", "hp"} & set(names):
+            raise ValueError(f"compile: the mesh needs a dimension named 'cp' (ring attention) or 'hp' (head "
+                             f"all-to-all), and optionally 'dp', got {names or 'unnamed dims'}; e.g. "
+                             "init_device_mesh('cpu', (2,), mesh_dim_names=('cp',)) or (2, 2) with ('cp', 'hp')")
         if not dist.is_initialized():
             raise ValueError("compile: a mesh needs torch.distributed initialised (run under torchrun)")
         if dist.get_world_size() != mesh.size():
@@ -53,40 +75,51 @@ class Parallel:
             raise ValueError(f"compile: the model is on {device} but the process group uses gloo, whose "
                              "point-to-point transfers (ring attention) fail on device tensors; use "
                              "init_process_group('nccl') for GPUs, or keep the model on the CPU with gloo")
-        cp_group = mesh["cp"].get_group()
-        dp_group = mesh["dp"].get_group() if "dp" in names else None
-        if dist.get_world_size(cp_group) > 1 and not isinstance(model, CausalLMLoss):
+        groups = {n: mesh[n].get_group() for n in names}
+        sequence_dims = tuple(n for n in names if n in ("cp", "hp"))
+        sp_group = flattened_group(mesh, sequence_dims)
+        if dist.get_world_size(sp_group) > 1 and not isinstance(model, CausalLMLoss):
             raise ValueError("compile: context parallelism shards the sequence of a causal LM; wrap the model "
                              "in longshield_fx.CausalLMLoss")
-        return cls(mesh, cp_group, dp_group)
+        return cls(mesh, groups.get("cp"), groups.get("dp"), groups.get("hp"), sp_group, inner_ring)
 
     def __repr__(self) -> str:
-        return f"cp={self.cp}, dp={self.dp}"
+        return (f"cp={self.cp}, dp={self.dp}" + (f", hp={self.hp}" if self.hp > 1 else "")
+                + (f", inner_ring={self.inner_ring}" if self.inner_ring != self.cp else ""))
 
     # --- graph and inputs ------------------------------------------------------------------
     def capture_module(self, model: nn.Module) -> nn.Module:
-        return ShardedCausalLMLoss(model) if self.cp > 1 else model
+        return ShardedCausalLMLoss(model) if self.sp > 1 else model
 
     def check_batch(self, batch) -> None:
         """Errors that must come before any collective runs."""
-        if self.cp == 1:
+        if self.sp == 1:
             return
         if len(batch) != 2:
             raise ValueError("engine: under context parallelism pass (input_ids, labels), got "
                              f"{len(batch)} tensors")
         T = batch[0].shape[-1] if batch[0].dim() > 1 else 0
-        if T % (2 * self.cp) != 0:
-            raise ValueError(f"engine: sequence length {T} cannot be sharded over cp={self.cp}: it must be a "
-                             f"multiple of 2*cp = {2 * self.cp} (two zig-zag chunks per rank); pad the "
-                             "sequences with label -100")
+        multiple = 2 * self.cp * self.hp
+        if T % multiple != 0:
+            over, what = (f"cp={self.cp}", "2*cp") if self.hp == 1 else (f"cp={self.cp} x hp={self.hp}", "2*cp*hp")
+            cut = f", cut into {self.hp} head-parallel pieces" if self.hp > 1 else ""
+            raise ValueError(f"engine: sequence length {T} cannot be sharded over {over}: it must be a multiple of "
+                             f"{what} = {multiple} (two zig-zag chunks per cp rank{cut}); pad the sequences with "
+                             "label -100")
+
+    def positions(self, T: int) -> torch.Tensor:
+        """Global positions of this rank's tokens: its hp piece of its cp rank's zig-zag shard."""
+        shard = zigzag_index(T, self.cp, self.cp_rank)
+        piece = shard.shape[0] // self.hp
+        return shard[self.hp_rank * piece:(self.hp_rank + 1) * piece]
 
     def shard(self, batch):
-        if self.cp == 1:
+        if self.sp == 1:
             return batch
         input_ids, labels = batch  # (B, T) or (B, R, T): the sequence is the last dim
-        ids = shard_sequence(input_ids, self.cp, self.cp_rank, dim=-1)
-        shifted = shard_sequence(shift_labels(labels), self.cp, self.cp_rank, dim=-1)
-        positions = zigzag_index(input_ids.shape[-1], self.cp, self.cp_rank).to(input_ids.device)
+        positions = self.positions(input_ids.shape[-1]).to(input_ids.device)
+        ids = input_ids.index_select(-1, positions)
+        shifted = shift_labels(labels).index_select(-1, positions)
         return ids, shifted, positions.expand(ids.shape).contiguous()
 
     @contextlib.contextmanager
@@ -115,18 +148,18 @@ class Parallel:
         dist.all_reduce(t, group=self.dp_group)
         return int(t.item())
 
-    def sum_over_cp(self, t: torch.Tensor) -> torch.Tensor:
-        if self.cp == 1:
+    def sum_over_sp(self, t: torch.Tensor) -> torch.Tensor:
+        if self.sp == 1:
             return t
         t = t.clone()
-        dist.all_reduce(t, group=self.cp_group)
+        dist.all_reduce(t, group=self.sp_group)
         return t
 
     def full_clipped_sum(self, total: torch.Tensor, shard_dim: int | None) -> torch.Tensor:
-        if self.cp > 1 and shard_dim is not None:
+        if self.sp > 1 and shard_dim is not None:
             front = total.movedim(shard_dim, 0).contiguous()
-            gathered = front.new_empty((front.shape[0] * self.cp, *front.shape[1:]))
-            dist.all_gather_single(gathered, front, group=self.cp_group)
+            gathered = front.new_empty((front.shape[0] * self.sp, *front.shape[1:]))
+            dist.all_gather_single(gathered, front, group=self.sp_group)
             total = gathered.movedim(0, shard_dim)
         if self.dp > 1:
             total = total.contiguous().clone()
@@ -149,8 +182,12 @@ class Parallel:
                 f"the mesh ({self}) failed (waits are bounded by init_process_group(timeout=...)): {e}") from e
 
     def communication_bytes(self, gm) -> dict[str, int]:
-        out = {"reduce_scatter": 0, "all_reduce": 0, "all_gather": 0, "ring_attention": 0}
-        if self.cp == 1:
+        """Bytes each rank sends per step, by kind, read off the graph's collective nodes: a
+        reduce-scatter or all-reduce counts its input, an all-gather the gathered buffer, an
+        all-to-all the (hp-1)/hp of its input that leaves the rank, ring attention its
+        (cp-1) K/V hops (and in the backward the fp32 dK/dV accumulators' hops)."""
+        out = {"reduce_scatter": 0, "all_reduce": 0, "all_gather": 0, "all_to_all": 0, "ring_attention": 0}
+        if self.sp == 1:
             return out
         ring = torch.ops.longshield
         for node in gm.graph.nodes:
@@ -161,11 +198,16 @@ class Parallel:
             elif node.target == c10d.all_reduce.default:
                 out["all_reduce"] += nbytes[0]
             elif node.target == c10d.all_gather_into_tensor.default:
-                out["all_gather"] += nbytes[0] * self.cp  # the gathered buffer
-            elif node.target == ring.ring_attention.default:
+                out["all_gather"] += nbytes[0] * node.args[1]  # the gathered buffer
+            elif node.target == c10d.all_to_all_single.default:
+                out["all_to_all"] += nbytes[0] * (self.hp - 1) // self.hp
+            elif node.target == ring.ring_attention.default and self.cp > 1:
                 out["ring_attention"] += (self.cp - 1) * (nbytes[1] + nbytes[2])
-            elif node.target == ring.ring_attention_backward.default:
+            elif node.target == ring.ring_attention_backward.default and self.cp > 1:
                 k, v = vals[2], vals[3]
                 grads_fp32 = 4 * (k.numel() + v.numel())
-                out["ring_attention"] += (self.cp - 1) * (nbytes[2] + nbytes[3]) + self.cp * grads_fp32
+                # dK/dV hops: cp around one ring; a double ring adds the outer ring's cp/w
+                outer = self.cp // self.inner_ring
+                accumulator_hops = self.cp + (outer if 1 < self.inner_ring < self.cp else 0)
+                out["ring_attention"] += (self.cp - 1) * (nbytes[2] + nbytes[3]) + accumulator_hops * grads_fp32
         return out

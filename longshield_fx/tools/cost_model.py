@@ -8,8 +8,14 @@ halved for causal masking), bytes read and written from fake-tensor metadata. A 
 (n-1)/n of the buffer per rank, all-reduce twice that). A ``wait_tensor`` stalls compute
 until its collective is done: those stalls are the EXPOSED communication.
 
-Ring attention's own K/V exchange happens inside the op, double-buffered behind its
-block computations; the model counts the op as compute only.
+Ring attention's own K/V exchange happens inside the op, each hop behind one block's
+computation: the op's time is ``ring_time`` (LoongTrain section 4.5.3, with our schedule: per
+outer step the inner ring takes (w-1) x max(block compute, inner hop) + one block, and the
+outer hop, issued at the step's start, overlaps the whole inner ring). Head-parallel
+all-to-alls (2D attention) are collectives moving (hp-1)/hp of their input. Which link a
+ring hop or a collective uses comes from ``SequenceLayout`` (hp x cp ranks on the nodes of
+``Hardware``): NVLink inside a node, the NIC between nodes. ``attention_time`` is the same
+model in closed form per layer, which ``search_attention`` ranks (hp, cp, w, placement) by.
 
 Hardware parameters (per rank):
 - "H100-NVLink": 989 TFLOP/s dense BF16 (NVIDIA H100 SXM datasheet) at 50% achieved,
@@ -17,6 +23,8 @@ Hardware parameters (per rank):
   (datasheet), 10 µs collective latency (NCCL small-message latency, order of magnitude).
 - "H100-IB": same GPU, 400 Gb/s NDR InfiniBand per GPU = 50 GB/s (ConnectX-7 datasheet),
   20 µs latency.
+- "2x4-H100-IB": two nodes of 4 such GPUs: NVLink inside a node, InfiniBand (one NIC per GPU)
+  between the nodes.
 - "CPU-gloo": this project's 2-core dev machine with one thread per rank, measured with
   ``benchmarks/overlap.py --calibrate`` on 2026-11-22: ~20 GFLOP/s fp32 matmul per rank,
   ~5 GB/s memory traffic, gloo over loopback TCP ~1 GB/s, ~100 µs per collective.
@@ -32,7 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from .. import ops  # noqa: F401  (registers longshield::ring_attention, counted below)
 from .._torch import COLLECTIVES, c10d
-from ..passes._graph import nbytes
+from ..passes._graph import nbytes, val
 aten = torch.ops.aten
 
 
@@ -41,15 +49,144 @@ class Hardware:
     name: str
     flops: float      # achieved matmul FLOP/s
     mem_bw: float     # bytes/s for memory-bound ops
-    link_bw: float    # bytes/s per rank for collectives
-    latency: float    # seconds per collective
+    link_bw: float    # bytes/s per rank for collectives (inside a node)
+    latency: float    # seconds per collective (inside a node)
+    gpus_per_node: int = 0  # 0: every rank on the same link
+    inter_bw: float = 0.0   # bytes/s per rank between nodes
+    inter_latency: float = 0.0
+
+    def link(self, ranks) -> tuple[float, float]:
+        """(bandwidth, latency) of traffic among global ``ranks``: the NIC if they span nodes."""
+        if self.gpus_per_node and len({r // self.gpus_per_node for r in ranks}) > 1:
+            return self.inter_bw, self.inter_latency
+        return self.link_bw, self.latency
 
 
 HARDWARE = {
     "H100-NVLink": Hardware("H100-NVLink", 989e12 * 0.5, 3.35e12, 450e9, 10e-6),
     "H100-IB": Hardware("H100-IB", 989e12 * 0.5, 3.35e12, 50e9, 20e-6),
+    "2x4-H100-IB": Hardware("2x4-H100-IB", 989e12 * 0.5, 3.35e12, 450e9, 10e-6, 4, 50e9, 20e-6),
     "CPU-gloo": Hardware("CPU-gloo", 20e9, 5e9, 1e9, 100e-6),
 }
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """hp x cp sequence-parallel ranks (one dp replica, global ranks from 0), the cp ring made
+    of inner rings of ``inner_ring`` ranks. Head-first placement makes hp the inner (adjacent)
+    dim, the mesh ("cp", "hp"); context-first makes cp inner, ("hp", "cp")."""
+
+    hp: int = 1
+    cp: int = 1
+    inner_ring: int = 0  # 0: one ring of cp
+    head_first: bool = True
+
+    @property
+    def w(self) -> int:
+        return self.inner_ring or self.cp
+
+    def rank(self, c: int, h: int) -> int:
+        return c * self.hp + h if self.head_first else h * self.cp + c
+
+    def hp_ranks(self) -> list[list[int]]:
+        return [[self.rank(c, h) for h in range(self.hp)] for c in range(self.cp)]
+
+    def ring_hops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(inner hops, outer hops) as global rank pairs, over every hp index."""
+        w, n = self.w, self.cp // self.w
+        inner, outer = [], []
+        for h in range(self.hp):
+            for c in range(self.cp):
+                g, p = divmod(c, w)
+                if w > 1:
+                    inner.append((self.rank(c, h), self.rank(g * w + (p + 1) % w, h)))
+                if n > 1:
+                    outer.append((self.rank(c, h), self.rank(((g + 1) % n) * w + p, h)))
+        return inner, outer
+
+    def label(self) -> str:
+        ring = f", double ring w={self.w}" if self.w != self.cp else ""
+        place = (", head-first" if self.head_first else ", context-first") if 1 < self.hp < self.hp * self.cp else ""
+        return f"hp={self.hp} cp={self.cp}{ring}{place}"
+
+
+def _slowest(hw: Hardware, groups) -> tuple[float, float]:
+    """A step waits for its slowest link: (bandwidth, latency) of the worst group."""
+    links = [hw.link(g) for g in groups] or [(hw.link_bw, hw.latency)]
+    return min(links, key=lambda link: (link[0], -link[1]))
+
+
+def ring_time(hw: Hardware, layout: SequenceLayout, block_seconds: float, hop_bytes: float) -> float:
+    """One ring attention op: cp blocks of ``block_seconds`` each, hops of ``hop_bytes``
+    (inner ring hops behind one block each, the outer hop behind a whole inner ring)."""
+    cp, w = layout.cp, layout.w
+    if cp == 1:
+        return block_seconds
+    inner_hops, outer_hops = layout.ring_hops()
+    inner_ring = block_seconds
+    if w > 1:
+        bw, lat = _slowest(hw, inner_hops)
+        inner_ring += (w - 1) * max(block_seconds, lat + hop_bytes / bw)
+    if cp // w == 1:
+        return inner_ring
+    bw, lat = _slowest(hw, outer_hops)
+    return (cp // w - 1) * max(inner_ring, lat + hop_bytes / bw) + inner_ring
+
+
+def all_to_all_time(hw: Hardware, layout: SequenceLayout, nbytes_in: float) -> float:
+    if layout.hp == 1:
+        return 0.0
+    bw, lat = _slowest(hw, layout.hp_ranks())
+    return lat + nbytes_in * (layout.hp - 1) / layout.hp / bw
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """Modelled seconds per attention layer (forward + backward) on one rank."""
+
+    layout: SequenceLayout
+    compute: float   # attention kernels alone
+    ring: float      # the ring ops, hops included (exposed where a hop outlasts its block)
+    all_to_all: float  # eight per layer, not overlapped (attention waits for them)
+
+    @property
+    def total(self) -> float:
+        return self.ring + self.all_to_all
+
+
+def attention_time(hw: Hardware, layout: SequenceLayout, *, batch: int, seq_len: int, heads: int, kv_heads: int,
+                   head_dim: int, elem_bytes: int = 2) -> AttentionCost:
+    """LoongTrain section 4.5 for one layer: Size(q) = Size(out) = B·S·D/sp, Size(kv) =
+    max(Hkv, hp)/H · 2·B·S·D/sp (K and V, replicated up to hp heads), in ``elem_bytes``; causal
+    attention FLOPs 2·B·S²·D/sp forward (torch's sdpa count, halved), 2.5x that backward; the
+    backward's hops also carry the fp32 dK/dV accumulators."""
+    sp, hp = layout.hp * layout.cp, layout.hp
+    D = heads * head_dim
+    kv_hat = max(kv_heads, hp) if hp > 1 else kv_heads
+    size_q = batch * seq_len * D / sp * elem_bytes
+    size_kv = batch * kv_hat / heads * 2 * seq_len * D / sp * elem_bytes
+    forward_flops = 2 * batch * seq_len ** 2 * D / sp
+    block = forward_flops / layout.cp / hw.flops
+    ring = ring_time(hw, layout, block, size_kv) + ring_time(hw, layout, 2.5 * block, size_kv * (1 + 4 / elem_bytes))
+    a2a = 2 * (2 * all_to_all_time(hw, layout, size_q) + 2 * all_to_all_time(hw, layout, size_kv / 2))
+    return AttentionCost(layout, 3.5 * block * layout.cp, ring, a2a)
+
+
+def search_attention(hw: Hardware, gpus: int, **shape) -> list[AttentionCost]:
+    """Every (hp, cp, w, placement) of ``gpus`` sequence-parallel ranks that the head counts
+    allow (hp divides H; hp divides or is a multiple of Hkv), fastest first."""
+    heads, kv_heads = shape["heads"], shape["kv_heads"]
+    costs = []
+    for hp in (d for d in range(1, gpus + 1) if gpus % d == 0):
+        if heads % hp or (kv_heads % hp and hp % kv_heads):
+            continue
+        cp = gpus // hp
+        for w in (d for d in range(1, cp + 1) if cp % d == 0):
+            for head_first in ((True, False) if 1 < hp < gpus else (True,)):
+                layout = SequenceLayout(hp, cp, 0 if w == cp else w, head_first)
+                costs.append(attention_time(hw, layout, **shape))
+    # Ties (hops hidden either way) go to the simpler layout: fewer head groups, one ring.
+    return sorted(costs, key=lambda c: (round(c.total, 12), c.layout.hp, -c.layout.w))
 
 
 @dataclass
@@ -81,11 +218,11 @@ def _ring_kv(shape, cp: int) -> tuple:
     return B, H, L * cp, D  # the local queries meet the K/V blocks of all cp ranks
 
 
-def _ring(q, k, v, scale, group_name, cp, *, out_shape=None) -> int:
+def _ring(q, k, v, scale, group_name, cp, inner=0, *, out_shape=None) -> int:
     return _causal(sdpa_flop_count(q, _ring_kv(k, cp), _ring_kv(v, cp)), True)
 
 
-def _ring_backward(grad_out, q, k, v, out, lse, scale, group_name, cp, *, out_shape=None) -> int:
+def _ring_backward(grad_out, q, k, v, out, lse, scale, group_name, cp, inner=0, *, out_shape=None) -> int:
     return _causal(sdpa_backward_flop_count(grad_out, q, _ring_kv(k, cp), _ring_kv(v, cp)), True)
 
 
@@ -139,27 +276,49 @@ def compute_time(node: fx.Node, hw: Hardware, flops: int) -> float:
     return max(flops / hw.flops, moved / hw.mem_bw)
 
 
-def comm_time(node: fx.Node, hw: Hardware) -> float:
+def comm_time(node: fx.Node, hw: Hardware, link: tuple[float, float] | None = None) -> float:
+    bw, latency = link or (hw.link_bw, hw.latency)
     volume = nbytes(node.args[0])
-    n = node.args[2] if node.target in (c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default) \
-        else None
     if node.target == c10d.all_reduce.default:
-        return hw.latency + 2 * volume / hw.link_bw  # (n-1)/n ~ 1/2 for small n; upper bound n -> inf
+        return latency + 2 * volume / bw  # (n-1)/n ~ 1/2 for small n; upper bound n -> inf
+    if node.target == c10d.all_to_all_single.default:
+        n = len(node.args[1])
+    elif node.target in (c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default):
+        n = node.args[2] if node.target == c10d.reduce_scatter_tensor.default else node.args[1]
+    else:
+        n = None
     factor = (n - 1) / n if n else 1.0
     if node.target == c10d.all_gather_into_tensor.default:
         volume *= n
-    return hw.latency + factor * volume / hw.link_bw
+    return latency + factor * volume / bw
 
 
-def simulate(gm: fx.GraphModule, hw: Hardware) -> Timeline:
+def _ring_op_time(node: fx.Node, hw: Hardware, layout: SequenceLayout, flops: int) -> float:
+    k = val(node.args[2] if node.target == torch.ops.longshield.ring_attention_backward.default else node.args[1])
+    hop = 2 * nbytes(k)  # K and V
+    if node.target == torch.ops.longshield.ring_attention_backward.default:
+        hop += 2 * 4 * k.numel()  # the fp32 dK/dV accumulators travel too
+    return ring_time(hw, layout, flops / layout.cp / hw.flops, hop)
+
+
+def simulate(gm: fx.GraphModule, hw: Hardware, layout: SequenceLayout | None = None) -> Timeline:
+    """Run the graph's node order on two lanes. ``layout``: where the sequence-parallel ranks
+    sit (default: hp=1, cp read off the ring ops, head-first), which picks each collective's
+    and ring hop's link; without ``hw.gpus_per_node`` every link is the same."""
     flops = node_flops(gm)
+    ring_ops = (torch.ops.longshield.ring_attention.default, torch.ops.longshield.ring_attention_backward.default)
+    if layout is None:
+        cps = [n.args[8 if n.target == ring_ops[1] else 5] for n in gm.graph.nodes if n.target in ring_ops]
+        layout = SequenceLayout(1, max(cps, default=1))
+    sp = layout.hp * layout.cp
     tl = Timeline()
     now = comm_free = 0.0
     done: dict[fx.Node, float] = {}
     for node in gm.graph.nodes:
         if node.target in COLLECTIVES:
             start = max(now, comm_free)
-            dur = comm_time(node, hw)
+            group = layout.hp_ranks() if node.target == c10d.all_to_all_single.default else [list(range(sp))]
+            dur = comm_time(node, hw, _slowest(hw, group))
             comm_free = done[node] = start + dur
             tl.comm += dur
             tl.collectives.append((start, dur, node.name))
@@ -169,7 +328,10 @@ def simulate(gm: fx.GraphModule, hw: Hardware) -> Timeline:
                 tl.exposed_comm += ready - now
                 now = ready
         else:
-            dur = compute_time(node, hw, flops.get(node, 0))
+            if node.target in ring_ops:
+                dur = _ring_op_time(node, hw, layout, flops.get(node, 0))
+            else:
+                dur = compute_time(node, hw, flops.get(node, 0))
             if dur:
                 tl.compute.append((now, dur, node.name))
                 now += dur

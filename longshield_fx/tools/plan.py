@@ -130,11 +130,11 @@ def fit_points(cp: int) -> tuple[int, int]:
 
 def fit_requests(specs) -> list[tuple[GraphSpec, int]]:
     """The (spec, T) captures that ``fit_graph`` needs for each of ``specs`` (for ``prefetch``)."""
-    return [(spec, T) for spec in specs for T in fit_points(spec.cp)]
+    return [(spec, T) for spec in specs for T in fit_points(spec.sp)]
 
 
 def fit_graph(spec: GraphSpec, cache_dir: Path | None = None, points: tuple[int, int] | None = None) -> GraphFit:
-    T1, T2 = points or fit_points(spec.cp)
+    T1, T2 = points or fit_points(spec.sp)
     return GraphFit.from_captures(spec, measure(spec, T1, cache_dir), measure(spec, T2, cache_dir))
 
 
@@ -215,13 +215,13 @@ class LayoutPlan:
         return Breakdown(T, params, grads, optimizer, gathered, graph, self.overhead, node)
 
     def solve(self) -> "LayoutPlan":
-        """The longest power-of-two T (a multiple of 2*cp) whose total fits in GPU memory.
+        """The longest power-of-two T (a multiple of 2*cp*hp) whose total fits in GPU memory.
 
         Memory is non-decreasing in T (every fitted slope is >= 0), so the search goes up
         the powers of two until the first that does not fit.
         """
         self.max_T, self.at_max = None, None
-        first = max(1, math.ceil(math.log2(2 * self.spec.cp)))
+        first = max(1, math.ceil(math.log2(2 * self.spec.sp)))
         for k in range(first, MAX_LOG2_T + 1):
             b = self.breakdown(2 ** k)
             if b.total > self.gpu_mem:
@@ -241,16 +241,17 @@ def plan_layout(title: str, spec: GraphSpec, *, gpus: float, gpu_mem_gib: float,
 
 def plan(model: str, gpus: int, gpu_mem_gib: float, *, cp: int | None = None, checkpoint: str | None = None,
          mbs: int = 1, dtype: str = "bf16", overhead_gib: float = DEFAULT_OVERHEAD_GIB,
-         cache_dir: Path | None = None, jobs: int = 1) -> tuple[LayoutPlan, LayoutPlan]:
-    """(DP layout with cp, FSDP-style layout) for ``model`` on ``gpus`` GPUs of ``gpu_mem_gib`` GiB.
+         cache_dir: Path | None = None, jobs: int = 1, hp: int = 1) -> tuple[LayoutPlan, LayoutPlan]:
+    """(DP layout with cp x hp, FSDP-style layout) for ``model`` on ``gpus`` GPUs of ``gpu_mem_gib`` GiB.
 
     ``jobs``: captures run at once in worker processes (a plan needs four)."""
-    cp = gpus if cp is None else cp
-    check_args(model, gpus, gpu_mem_gib, cp, mbs)
-    dp_spec, fsdp_spec = GraphSpec(model, cp, checkpoint, mbs, dtype), GraphSpec(model, 1, None, mbs, dtype)
+    cp = gpus // hp if cp is None else cp
+    check_args(model, gpus, gpu_mem_gib, cp, mbs, hp)
+    dp_spec, fsdp_spec = GraphSpec(model, cp, checkpoint, mbs, dtype, hp=hp), GraphSpec(model, 1, None, mbs, dtype)
     prefetch(fit_requests([dp_spec, fsdp_spec]), cache_dir, jobs)
     kw = dict(gpus=gpus, gpu_mem_gib=gpu_mem_gib, overhead_gib=overhead_gib, cache_dir=cache_dir)
-    dp = plan_layout(f"DP cp={cp}" + (f" {checkpoint}" if checkpoint else ""), dp_spec, **kw)
+    dp = plan_layout(f"DP cp={cp}" + (f" hp={hp}" if hp > 1 else "") + (f" {checkpoint}" if checkpoint else ""),
+                     dp_spec, **kw)
     fsdp = plan_layout("FSDP-style cp=1", fsdp_spec, **kw)
     return dp, fsdp
 
@@ -259,7 +260,7 @@ class PlanError(ValueError):
     """A bad request: the CLI prints it as one line and exits 2."""
 
 
-def check_args(model: str, gpus, gpu_mem_gib, cp, mbs) -> None:
+def check_args(model: str, gpus, gpu_mem_gib, cp, mbs, hp: int = 1) -> None:
     if model not in MODELS:
         raise PlanError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     if not (isinstance(gpus, int) and gpus > 0):
@@ -268,8 +269,15 @@ def check_args(model: str, gpus, gpu_mem_gib, cp, mbs) -> None:
         raise PlanError(f"--gpu-mem-gb must be positive, got {gpu_mem_gib}")
     if not (isinstance(cp, int) and cp > 0):
         raise PlanError(f"--cp must be a positive integer, got {cp}")
-    if gpus % cp:
-        raise PlanError(f"--cp {cp} does not divide --gpus {gpus}")
+    if not (isinstance(hp, int) and hp > 0):
+        raise PlanError(f"--hp must be a positive integer, got {hp}")
+    if gpus % (cp * hp):
+        raise PlanError(f"--cp {cp}" + (f" x --hp {hp}" if hp > 1 else "") + f" does not divide --gpus {gpus}")
+    from longshield_fx.models import CONFIGS
+
+    heads = CONFIGS[model].n_heads
+    if heads % hp:
+        raise PlanError(f"--hp {hp} does not divide {model}'s {heads} attention heads")
     if not (isinstance(mbs, int) and mbs > 0):
         raise PlanError(f"--mbs must be a positive integer, got {mbs}")
 

@@ -36,7 +36,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """What decides the per-rank graph: model, cp degree, checkpointing, micro-batch, dtype."""
+    """What decides the per-rank graph: model, cp degree, checkpointing, micro-batch, dtype,
+    head-parallel degree (2D attention: the sequence is sharded over cp x hp ranks)."""
 
     model: str
     cp: int = 1
@@ -44,11 +45,17 @@ class GraphSpec:
     mbs: int = 1
     dtype: str = "bf16"
     overrides: tuple = ()  # (field, value) pairs for Llama.from_name (tests: fewer layers)
+    hp: int = 1
+
+    @property
+    def sp(self) -> int:
+        """Ranks sharing one sequence."""
+        return self.cp * self.hp
 
     def label(self) -> str:
         extra = "".join(f",{k}={v}" for k, v in self.overrides)
-        return (f"{self.model}{extra} cp={self.cp} checkpoint={self.checkpoint or 'none'} "
-                f"mbs={self.mbs} {self.dtype}")
+        return (f"{self.model}{extra} cp={self.cp}" + (f" hp={self.hp}" if self.hp > 1 else "") +
+                f" checkpoint={self.checkpoint or 'none'} mbs={self.mbs} {self.dtype}")
 
     @property
     def plain(self) -> "GraphSpec":
@@ -81,9 +88,9 @@ def _default_dtype(dtype: torch.dtype):
 
 
 @contextlib.contextmanager
-def _world(cp: int):
-    """No mesh for cp=1; else a one-process fake process group of ``cp`` ranks (rank 0's view)."""
-    if cp == 1:
+def _world(cp: int, hp: int = 1):
+    """No mesh for cp = hp = 1; else a one-process fake process group of cp x hp ranks (rank 0's view)."""
+    if cp * hp == 1:
         yield None
         return
     import torch.distributed as dist
@@ -93,7 +100,7 @@ def _world(cp: int):
     if dist.is_initialized():
         raise RuntimeError("plan: torch.distributed is already initialised in this process; the planner "
                            "needs its own fake process group (run it in a fresh process)")
-    with fake_world(cp) as mesh:
+    with fake_world(cp, hp=hp) as mesh:
         yield mesh
 
 
@@ -141,8 +148,8 @@ def capture_timelines(spec: GraphSpec, T: int) -> dict[GraphSpec, Capture]:
     # Per-sample gradients for every layer: the FSDP-style layout (cp=1) models grad-sample DP,
     # and ghost norm, which picks layers by T, would change the graph between the fit points
     # (it only pays below the contexts planned; under cp it is not in the pipeline).
-    disable = ("ghost_norm",) if spec.cp == 1 else ()
-    with _world(spec.cp) as mesh:
+    disable = ("ghost_norm",) if spec.sp == 1 else ()
+    with _world(spec.cp, spec.hp) as mesh:
         engine = lf.compile(model, mesh, config=config, checkpoint=None, disable_passes=disable)
         lowered = engine.lower(ids, ids)
         out = {spec.plain: _timeline(lowered, T, time.perf_counter() - start)}
@@ -231,7 +238,7 @@ def _cost(spec: GraphSpec) -> float:
     from longshield_fx.models import CONFIGS
 
     layers = dict(spec.overrides).get("n_layers", CONFIGS[spec.model].n_layers)
-    return layers * (1.4 if spec.cp > 1 else 1.0) * (1.2 if spec.checkpoint else 1.0)
+    return layers * (1.4 if spec.sp > 1 else 1.0) * (1.2 if spec.checkpoint else 1.0)
 
 
 def prefetch(requests: Iterable[tuple[GraphSpec, int]], cache_dir: Path | None = None, jobs: int = 1) -> None:

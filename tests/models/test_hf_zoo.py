@@ -22,11 +22,7 @@ REAL_MIXING = {
 }
 # Refusals that are gaps of ours, each with the message it must keep until fixed (the test
 # then asks for the entry to go): not sample mixing, but not exact either.
-KNOWN_GAPS = {
-    # Its experts are an eager loop over the experts the batch hit (int(idx.item()), nonzero): no static
-    # graph, and transformers offers it no experts_implementation. The fix is upstream.
-    "longcat_flash": "cannot be traced into one graph",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,36 @@ def test_ring_matches_full_attention(distributed, cp, hkv):
         assert r["expected_blocks"] == ra.blocks_per_rank(cp)[0]  # balanced: the same on every rank
 
 
+@pytest.mark.torchrun(4)
+@pytest.mark.parametrize("inner", [2, 1])
+def test_double_ring_matches_full_attention(distributed, inner):
+    """cp=4 as a double ring (LoongTrain Alg. 2): two inner rings of 2, or four of 1 (every
+    hop on the outer ring). The same blocks meet the same queries: exact full attention and
+    gradients, the single ring's block counts."""
+    for rank, r in distributed.check(4, f"ring-cp4-w{inner}").items():
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert r[name] is None, f"rank {rank}: {r[name]}"
+        assert all(c == {"forward": r["expected_blocks"], "forward_calls": 4, "backward": r["expected_blocks"],
+                         "backward_calls": 4} for c in r["counts"]), r["counts"]
+
+
+@pytest.mark.parametrize("cp, inner", [(4, 2), (8, 2), (8, 4), (4, 1), (6, 3)])
+def test_double_ring_visits_every_block_once(cp, inner):
+    """Every rank meets every K/V block exactly once, and its peers are in its inner ring
+    (same outer index) or the same position of the next/previous inner ring."""
+    for rank in range(cp):
+        rings = ra._Rings(None, rank, cp, inner)
+        assert sorted(rings.source(o, i) for o in range(cp // inner) for i in range(inner)) == list(range(cp))
+        assert all(p // inner == rank // inner for p in rings.inner_peers)
+        assert all(p % inner == rank % inner for p in rings.outer_peers)
+
+
+def test_inner_ring_must_divide_cp():
+    q, k, v, _ = _inputs(1, T=8)
+    with pytest.raises(ValueError, match="inner ring size 3 must divide cp=1"):
+        torch.ops.longshield.ring_attention(q, k, v, 0.3, "unused", 1, 3)
+
+
 # ----------------------------------------------------------------------------------------
 # Export: each op stays a single opaque node in the joint graph (fake process group, fake kernels)
 
@@ -156,7 +186,7 @@ def test_export_keeps_single_nodes(fake_world):
     assert targets.count("longshield.ring_attention_backward.default") == 1
     assert not any("scaled_dot_product" in t for t in targets)
     bwd = next(n for n in gm.graph.nodes if n.target is torch.ops.longshield.ring_attention_backward.default)
-    scale, group_name, cp = [a for a in bwd.args if not isinstance(a, torch.fx.Node)]
+    scale, group_name, cp = [a for a in bwd.args if not isinstance(a, torch.fx.Node)]  # inner: default
     assert scale == 0.5 and group_name == name and cp == 2
     assert list(bwd.meta["val"][1].shape) == [2, 1, 16, 4]  # dk: one KV head, not repeated
     assert ra.last_block_counts == {}  # only fake kernels ran

@@ -124,3 +124,17 @@ def test_memory_is_flat_across_steps():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="checkpoint must be None, 'block' or 'selective'"):
         lf.compile(tiny_llama(), config=lf.DPConfig(1.0, 0.0), checkpoint="everything")
+
+
+@pytest.mark.parametrize("policy, recomputed", [("selective", 0), ("block", 8)])
+def test_2d_attention_all_to_alls_are_kept_by_selective_and_recomputed_by_block(fake_world, policy, recomputed):
+    """hp=2 x cp=2: selective keeps the ring's inputs and the output after their all-to-alls,
+    so the backward issues only its own four per layer; block recomputes the forward's four
+    (and the ring) per layer, 2 layers."""
+    a2a = torch.ops._c10d_functional.all_to_all_single.default
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with fake_world(2, hp=2) as mesh:
+        gm = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 0.0), checkpoint=policy).lower(ids, ids).gm
+    nodes = list(gm.graph.find_nodes(op="call_function", target=a2a))
+    assert sum(bool(n.meta.get("recomputed")) for n in nodes) == recomputed
+    assert len(nodes) == 16 + recomputed

@@ -6,7 +6,7 @@ distributed check of that size and writes what it measured; the tests compare (t
 
 - world 4: the ring attention op on gloo (cp=4 on the world group, then cp=2 on two
   strided groups, i.e. dp=2), against full causal attention; then the engine cases of
-  ``oracles.CP_CASES`` with world size 4 (cp=4, dp=2 x cp=2).
+  ``oracles.CP_CASES`` with world size 4 (cp=4, dp=2 x cp=2, 2D attention hp x cp, dp=2 x hp=2).
 - world 2: the engine cases with world size 2 (cp=2: plain, block / selective
   checkpointing, output-stationary); the model's per-rank random stream (dropout); then a
   dead peer (rank 1 exits, rank 0 must get a clear error, not a hang).
@@ -15,7 +15,8 @@ Each rank writes OUT_DIR/rank{r}.pt after every check: {check name: results}. An
 case records, on the same batches the single-process oracle gets in the test process:
 full per-sample gradients, the clipped (noise-free) gradient after ``finalize``, the same
 without the overlap pass, a noisy gradient (fixed insecure seed, so the oracle can draw
-the same noise), the loss and the communication bytes.
+the same noise), the loss, the communication bytes, and the parameters after
+``CP_STEPS`` SGD steps on the clipped sums.
 """
 import datetime
 import os
@@ -30,18 +31,24 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import longshield_fx as lf  # noqa: E402
 from longshield_fx.ops import ring_attention as ra  # noqa: E402
-from oracles import (CP_CASES, CP_CLIP, CP_NOISE_E, CP_NOISE_SEED, attention_inputs, case_batches,  # noqa: E402
-                     case_model, causal_attention, logical, tiny_llama)
+from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, attention_inputs,  # noqa: E402
+                     case_batches, case_model, causal_attention, logical, tiny_llama)
 
 
 def grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def engine_case(kind, world, dp, policy, comm) -> dict:
-    cp = world // dp
-    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")) if dp > 1 else \
-        init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+def case_mesh(world: int, dp: int, hp: int):
+    """("dp", "cp", "hp") with the dims of size 1 left out (but one of "cp" / "hp" kept)."""
+    cp = world // (dp * hp)
+    dims = [(n, s) for n, s in (("dp", dp), ("cp", cp), ("hp", hp)) if s > 1 or (n == "cp" and hp == 1)]
+    return init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+
+
+def engine_case(case) -> dict:
+    kind, world, dp, policy, comm, hp = case.kind, case.world, case.dp, case.policy, case.comm, case.hp
+    mesh = case_mesh(world, dp, hp)
     dp_rank = mesh["dp"].get_local_rank() if dp > 1 else 0
     batches = case_batches(kind, dp)
     mine = batches[dp_rank]
@@ -49,7 +56,7 @@ def engine_case(kind, world, dp, policy, comm) -> dict:
     model = case_model(kind)
     out = {}
 
-    engine = lf.compile(model, mesh, config=clean, checkpoint=policy)
+    engine = lf.compile(model, mesh, config=clean, checkpoint=policy, inner_ring=case.inner_ring)
     out["per_sample"] = engine.per_sample_grads(batches[0], batches[0])  # full, on every rank
     out["loss"] = float(engine.accumulate(mine, mine))  # summed over cp: this replica's batch
     engine.finalize(logical(2 * dp))  # E[B] = 1: .grad is the clipped sum over every replica
@@ -61,7 +68,8 @@ def engine_case(kind, world, dp, policy, comm) -> dict:
     out["chunked_loss"] = any(n.target is torch.ops.longshield.lm_head_loss.default for n in lowered.gm.graph.nodes)
 
     # The overlap pass only reorders: without it the clipped gradient must be bit-identical.
-    no_overlap = lf.compile(model, mesh, config=clean, checkpoint=policy, disable_passes=("overlap",))
+    no_overlap = lf.compile(model, mesh, config=clean, checkpoint=policy, inner_ring=case.inner_ring,
+                            disable_passes=("overlap",))
     no_overlap.accumulate(mine, mine)
     no_overlap.finalize(logical(2 * dp))
     out["clipped_no_overlap"] = grads(model)
@@ -70,16 +78,27 @@ def engine_case(kind, world, dp, policy, comm) -> dict:
     # Noise with a fixed key: the oracle adds the same draw once; here it must be added once
     # per coordinate too (not once per rank, shard or replica), divided by E[B].
     noisy = lf.DPConfig(max_grad_norm=CP_CLIP, noise_multiplier=1.0, insecure_seed=CP_NOISE_SEED, per_sample_comm=comm)
-    engine = lf.compile(model, mesh, config=noisy, checkpoint=policy)
-    engine.accumulate(mine, mine)
-    engine.finalize(logical(2 * dp, CP_NOISE_E))
+    noisy_engine = lf.compile(model, mesh, config=noisy, checkpoint=policy, inner_ring=case.inner_ring)
+    noisy_engine.accumulate(mine, mine)
+    noisy_engine.finalize(logical(2 * dp, CP_NOISE_E))
     out["noisy"] = grads(model)
+
+    # Training: SGD steps on the clipped sums (the first engine's graph, no recapture).
+    optimizer = torch.optim.SGD(model.parameters(), lr=CP_LR)
+    for _ in range(CP_STEPS):
+        optimizer.zero_grad()
+        engine.accumulate(mine, mine)
+        engine.finalize(logical(2 * dp))
+        optimizer.step()
+    out["trained"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["captures"] = engine.captures
     return out
 
 
-def ring_case(world: int, cp: int, hkv: int) -> dict:
-    """Ring attention over cp ranks. cp groups are strided ({0, 2}, {1, 3} for world 4, cp 2)
-    so that global and group ranks differ; each group (dp replica) gets its own data.
+def ring_case(world: int, cp: int, hkv: int, inner: int = 0) -> dict:
+    """Ring attention over cp ranks (a double ring with inner rings of ``inner``). cp groups are
+    strided ({0, 2}, {1, 3} for world 4, cp 2) so that global and group ranks differ; each
+    group (dp replica) gets its own data.
     Returns, per tensor, None or assert_close's message, and the block counts of each rank."""
     rank = dist.get_rank()
     n_rep = world // cp
@@ -95,7 +114,7 @@ def ring_case(world: int, cp: int, hkv: int) -> dict:
     ref_out, ref_lse, ref_grads = causal_attention(q, k, v, grad)
     local = [ra.shard_sequence(t, cp, cp_rank, dim=2) for t in (q, k, v, grad)]
     ql, kl, vl = (t.clone().requires_grad_() for t in local[:3])
-    out, lse = torch.ops.longshield.ring_attention(ql, kl, vl, D**-0.5, group.group_name, cp)
+    out, lse = torch.ops.longshield.ring_attention(ql, kl, vl, D**-0.5, group.group_name, cp, inner)
     dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), local[3])
     result = {"shapes": [tuple(out.shape), tuple(lse.shape), tuple(dk.shape), tuple(dv.shape)],
               "expected_shapes": [(B, HQ, T // cp, D), (B, HQ, T // cp), (B, HKV, T // cp, D), (B, HKV, T // cp, D)]}
@@ -168,9 +187,12 @@ def main():
         for cp in (4, 2):
             for hkv in (2, 1):  # one KV head: dk and dv must still be separate buffers
                 record(f"ring-cp{cp}-hkv{hkv}", ring_case, world, cp, hkv)
-    for name, (case_world, kind, dp, policy, comm) in CP_CASES.items():
-        if case_world == world:
-            record(name, engine_case, kind, world, dp, policy, comm)
+        for inner in (2, 1):  # two inner rings of 2; four of 1 (the outer ring does every hop)
+            record(f"ring-cp4-w{inner}", ring_case, world, 4, 2, inner)
+    only = set(sys.argv[2:])  # by hand: ``cp_worker.py OUT_DIR NAME ...`` runs just those engine cases
+    for name, case in CP_CASES.items():
+        if case.world == world and (not only or name in only):
+            record(name, engine_case, case)
     if world == 2:
         record("model_rng", model_rng)
         record("dead_peer", dead_peer)

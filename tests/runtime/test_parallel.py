@@ -14,7 +14,8 @@ import torch
 
 import longshield_fx as lf
 
-from oracles import (CP_CASES, CP_CLIP, CP_NOISE_E, CP_NOISE_SEED, case_batches, case_model, logical)
+from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, case_batches, case_model,
+                     logical)
 
 CASES = [pytest.param(name, marks=pytest.mark.torchrun(world), id=name)
          for name, (world, *_) in CP_CASES.items()]
@@ -42,6 +43,15 @@ def oracle():
                     engine.accumulate(b, b)
                 engine.finalize(logical(2 * dp, divisor))
                 out[key] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            engine = lf.compile(model, config=lf.DPConfig(CP_CLIP, 0.0), disable_passes=plain)
+            optimizer = torch.optim.SGD(model.parameters(), lr=CP_LR)
+            for _ in range(CP_STEPS):
+                optimizer.zero_grad()
+                for b in batches:
+                    engine.accumulate(b, b)
+                engine.finalize(logical(2 * dp))
+                optimizer.step()
+            out["trained"] = {n: p.detach().clone() for n, p in model.named_parameters()}
             cache[kind, dp] = out
         return cache[kind, dp]
 
@@ -49,8 +59,8 @@ def oracle():
 
 
 def case(distributed, name):
-    world, kind, dp, policy, comm = CP_CASES[name]
-    return distributed.check(world, name), kind, dp, policy, comm
+    c = CP_CASES[name]
+    return distributed.check(c.world, name), c.kind, c.dp, c.policy, c.comm
 
 
 def worst(a: dict, b: dict) -> float:
@@ -103,6 +113,20 @@ def test_noise_is_added_once_per_coordinate(distributed, oracle, name):
 
 
 @pytest.mark.parametrize("name", CASES)
+def test_training_steps_match_one_process(distributed, oracle, name):
+    """CP_STEPS SGD steps on the clipped sums (noise 0): the parameters equal one process's,
+    and bit-identical on every rank (replicas stay in step); no step recaptured."""
+    ranks, kind, dp, _, _ = case(distributed, name)
+    ref = oracle(kind, dp)
+    for rank, r in ranks.items():
+        assert worst(r["trained"], ref["trained"]) <= 1e-5, rank
+        assert bit_identical(r["trained"], ranks[0]["trained"]), rank
+        assert r["captures"] == 1, rank
+    moved = {n: float((ref["trained"][n] - p).abs().max()) for n, p in case_model(kind).named_parameters()}
+    assert max(moved.values()) > 1e-3  # the steps did move the parameters
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_overlap_pass_changes_no_bit(distributed, name):
     ranks, *_ = case(distributed, name)
     for rank, r in ranks.items():
@@ -111,12 +135,11 @@ def test_overlap_pass_changes_no_bit(distributed, name):
         assert bit_identical(r["clipped_no_overlap"], r["clipped"]), rank
 
 
-@pytest.mark.parametrize("name", [p for p in CASES if CP_CASES[p.values[0]][3] is not None])
+@pytest.mark.parametrize("name", [p for p in CASES if CP_CASES[p.values[0]].policy is not None])
 def test_checkpointed_matches_plain_context_parallel(distributed, name):
-    """Checkpointed vs plain, both cp=2 in the same launch: per-sample gradients to 1e-6."""
+    """Checkpointed vs plain, the same mesh in the same launch: per-sample gradients to 1e-6."""
     ranks, kind, dp, policy, comm = case(distributed, name)
-    plain_name = next(n for n, (w, k, d, p, c) in CP_CASES.items()
-                      if (w, k, d, p, c) == (CP_CASES[name][0], kind, dp, None, comm))
+    plain_name = next(n for n, c in CP_CASES.items() if c == CP_CASES[name]._replace(policy=None))
     plain, *_ = case(distributed, plain_name)
     assert ranks[0]["passes"][-1] == "checkpoint" and "checkpoint" not in plain[0]["passes"]
     for rank in ranks:

@@ -114,6 +114,11 @@ def test_model_stats_match_llama_parameter_counts():
      "--overhead-gb: must be >= 0"),
     (["--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "80", "--seq-len", "100"],
      "--seq-len 100 must be a multiple of 2*cp = 8"),
+    (["--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "80", "--hp", "3"], "--cp 1 x --hp 3 does not divide"),
+    (["--model", "llama3.2-1b", "--gpus", "6", "--gpu-mem-gb", "80", "--hp", "3"],
+     "--hp 3 does not divide llama3.2-1b's 32 attention heads"),
+    (["--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "80", "--hp", "2", "--seq-len", "100"],
+     "--seq-len 100 must be a multiple of 2*cp*hp = 8"),
 ])
 def test_bad_requests_exit_nonzero_with_one_line(argv, message, capsys):
     try:
@@ -126,6 +131,21 @@ def test_bad_requests_exit_nonzero_with_one_line(argv, message, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
     assert lines[0].startswith("longshield-fx plan: error: ")
+
+
+def test_search_attention_prints_every_layout_and_the_chosen_mesh():
+    """No capture: the cost model ranks the attention layouts of 8 ranks over two nodes; at 8k a
+    single ring across the nodes exposes its hops, a double ring with node-local inner rings does not."""
+    from longshield_fx.cli.plan import search_table
+
+    table = search_table("llama3.1-8b", 8, 8192, 1, "bf16", "2x4-H100-IB").splitlines()
+    rows = {line[:44].strip(): float(line[44:54]) for line in table[2:-1]}
+    all_to_all = {line[:44].strip(): float(line.split()[-1]) for line in table[2:-1]}
+    assert len(rows) == 15 and rows["hp=1 cp=8, double ring w=4"] < rows["hp=1 cp=8"] / 3
+    # head-first: the all-to-alls stay inside a node, the cp ring crosses them (context-first: the reverse)
+    assert all_to_all["hp=2 cp=4, head-first"] < all_to_all["hp=2 cp=4, context-first"] / 3
+    best = min(rows, key=rows.get)
+    assert table[-1].startswith(f"chosen: {best} ") and "mesh dims ('cp',), compile(..., inner_ring=4)" in table[-1]
 
 
 # --- the paper's ordering claim, real shapes -----------------------------------------------------------
