@@ -20,7 +20,10 @@ private API                                                        why
 ``torch.ops._c10d_functional``                                       functional collectives in graphs
 ``torch.testing._internal.distributed.fake_pg``                      registers the "fake" process group
 ``torch.distributed.distributed_c10d._resolve_process_group``        a graph's group name -> its group
-``DeviceMesh._flatten``                                              one group over several mesh dims
+``torch.nn.utils.stateless._reparametrize_module``                   capture a sharded model with fake
+                                                                   full-shape parameters
+``DeviceMesh._flatten``, slicing a root mesh by a flattened dim     one group over several mesh dims;
+                                                                   the (replicate, shard) mesh of FSDP
 ``torch.distributed.tensor._op_schema``, ``._dtensor_spec``,          how an op without a hand batch rule
 ``DTensor._op_dispatcher.sharding_propagator``                       carries the batch (batch_dims)
 =================================================================  ======================================
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -39,7 +43,8 @@ from torch._ops import OpOverload  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (re-exported)
 
 __all__ = ["BatchArg", "COLLECTIVES", "GUARDS", "DynamoGuards", "FakeTensorMode", "OpOverload", "c10d", "descriptors",
-           "dtensor_batch_dims", "export_joint", "fake_world", "flattened_group", "resolve_process_group"]
+           "dtensor_batch_dims", "export_joint", "fake_world", "flattened_group", "sharding_mesh", "swapped_tensors",
+           "resolve_process_group"]
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = {c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
@@ -157,20 +162,51 @@ class DynamoGuards:
 
 
 @contextlib.contextmanager
-def fake_world(cp: int, dp: int = 1, hp: int = 1):
+def fake_world(cp: int, dp: int = 1, hp: int = 1, rank: int = 0):
     """A one-process fake process group of ``dp * cp * hp`` ranks; yields its mesh with dims
     ("dp", "cp", "hp"), leaving out "dp" and "hp" where they are 1 (1-D "cp" for plain
-    context parallelism). Rank 0's view: graphs get real shapes and collective nodes,
-    nothing is sent. The group is destroyed on exit."""
+    context parallelism). ``rank``'s view (default rank 0): graphs get real shapes and
+    collective nodes, nothing is sent. The group is destroyed on exit."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = [(name, size) for name, size in (("dp", dp), ("cp", cp), ("hp", hp)) if size > 1 or name == "cp"]
-    dist.init_process_group("fake", rank=0, world_size=dp * cp * hp, store=dist.HashStore())
+    dist.init_process_group("fake", rank=rank, world_size=dp * cp * hp, store=dist.HashStore())
     try:
         yield init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
     finally:
         dist.destroy_process_group()
+
+
+def swapped_tensors(model: torch.nn.Module, tensors: dict):
+    """``model`` with parameters/buffers named in ``tensors`` swapped in for the duration (a
+    tied weight's other names follow it), as ``torch.func.functional_call`` does."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(model, tensors, tie_weights=True)
+
+
+def sharding_mesh(mesh, replicate: tuple[str, ...], shard: tuple[str, ...]):
+    """(mesh, position of the shard dim in it) for sharded model states: 1-D over ``shard``
+    (the dims flattened into one), or 2-D with ``replicate`` flattened, for hybrid sharding as
+    FSDP2's HSDP; the two in the order their dims have in ``mesh`` (torch slices a mesh only
+    in its own dim order). Raises ValueError when the groups interleave in the mesh."""
+    def flat(dims):
+        return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten()
+
+    shard_mesh = flat(shard)
+    if not replicate:
+        return shard_mesh, 0
+    names = list(mesh.mesh_dim_names)
+    shard_first = names.index(shard[0]) < names.index(replicate[0])
+    groups = (shard_mesh, flat(replicate)) if shard_first else (flat(replicate), shard_mesh)
+    try:
+        with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dim will be deprecated
+            warnings.simplefilter("ignore", UserWarning)
+            return mesh[tuple(g.mesh_dim_names[0] for g in groups)], 0 if shard_first else 1
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise ValueError(f"the sharded dims {shard} and the replicated dims {replicate} interleave in the mesh "
+                         f"{tuple(names)} ({e})") from e
 
 
 def flattened_group(mesh, dims: tuple[str, ...]) -> dist.ProcessGroup:

@@ -8,7 +8,7 @@ from .runtime.engine import Engine
 
 
 def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, checkpoint=None,
-            inner_ring: int | None = None, disable_passes=()) -> Engine:
+            inner_ring: int | None = None, fsdp=None, disable_passes=()) -> Engine:
     """Compile ``model`` into a DP training engine.
 
     ``model.forward(*batch)`` must return per-sample losses of shape (B,); the objective is
@@ -25,6 +25,13 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
     ``inner_ring``: w for double-ring attention (cp/w inner rings of w adjacent cp ranks,
     joined by an outer ring; it must divide cp). None: one ring of cp ranks.
 
+    ``fsdp``: mesh dims to shard model states over (ZeRO-3 / FSDP, in the graph): ``("dp",
+    "cp")`` shards every parameter along dim 0 over all those ranks; ``("cp",)`` shards within
+    each cp group and replicates over dp (hybrid sharding). The model's parameters become
+    ``DTensor`` shards when ``compile`` returns, so an optimizer built afterwards
+    (``torch.optim.AdamW(model.parameters())``) keeps sharded states; ``param.grad`` after
+    ``finalize`` is the noisy shard. None: every rank holds everything.
+
     ``checkpoint``: None, ``"block"`` (recompute each transformer block's activations in the
     backward) or ``"selective"`` (as block, but keep attention outputs and their lse).
 
@@ -39,4 +46,4 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
         raise ValueError(f"compile: checkpoint must be None, 'block' or 'selective', got {checkpoint!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("compile: the model has no trainable parameters (all requires_grad=False)")
-    return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring)
+    return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp)

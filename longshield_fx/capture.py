@@ -66,13 +66,16 @@ class CapturedGraph:
         return CapturedGraph(gm, self.fake_mode, list(self.inputs), list(self.param_names),
                              {n: env[g] for n, g in self.grad_nodes.items() if g in env}, list(self.mutations))
 
-    def gather_args(self, model: nn.Module, batch, cotangent, *, dtype=None) -> list:
-        """The flat argument list for ``gm`` from the live model and a batch."""
+    def gather_args(self, model: nn.Module, batch, cotangent, *, dtype=None, local=None) -> list:
+        """The flat argument list for ``gm`` from the live model and a batch. ``local``: maps
+        a sharded parameter to the value its placeholder takes (``runtime.fsdp``)."""
         args = []
         for kind, key in self.inputs:
             if kind in ("param", "buffer"):
                 t = model.get_parameter(key) if kind == "param" else model.get_buffer(key)
                 t = t.detach()
+                if kind == "param" and local is not None:
+                    t = local(t)
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
                 args.append(t)

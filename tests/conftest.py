@@ -88,18 +88,20 @@ class Shared:
 
 @pytest.fixture(scope="session")
 def cp_graph(fake_world):
-    """``cp_graph(cp, dp=1, T=32, B=2, comm="input_stationary", hp=1, **model_kw) -> Shared``:
+    """``cp_graph(cp, dp=1, T=32, B=2, comm="input_stationary", hp=1, fsdp=None, checkpoint=None,
+    rank=0, **model_kw) -> Shared``:
     the training graph of the tiny Llama (``DPConfig(1.0, 1.0)``) lowered on a fake world of
     dp*cp*hp ranks, with zero token ids. Memoised per argument set for the session (the
     fake group is gone afterwards: read graphs and metadata, do not run them);
     ``fresh=True`` lowers a new one that is not shared."""
     cache: dict = {}
 
-    def build(cp, dp=1, T=32, B=2, comm="input_stationary", fresh=False, hp=1, **model_kw):
-        key = (cp, dp, T, B, comm, hp, tuple(sorted(model_kw.items())))
+    def build(cp, dp=1, T=32, B=2, comm="input_stationary", fresh=False, hp=1, fsdp=None, checkpoint=None,
+              rank=0, **model_kw):
+        key = (cp, dp, T, B, comm, hp, fsdp, checkpoint, rank, tuple(sorted(model_kw.items())))
         if fresh or key not in cache:
-            with fake_world(cp, dp, hp) as mesh:
-                engine = lf.compile(tiny_llama(**model_kw), mesh,
+            with fake_world(cp, dp, hp, rank=rank) as mesh:
+                engine = lf.compile(tiny_llama(**model_kw), mesh, fsdp=fsdp, checkpoint=checkpoint,
                                     config=lf.DPConfig(1.0, 1.0, per_sample_comm=comm))
                 ids = torch.zeros(B, T, dtype=torch.long)
                 shared = Shared(engine, (ids, ids), engine.lower(ids, ids))

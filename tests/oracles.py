@@ -151,6 +151,7 @@ class CPCase(NamedTuple):
     comm: str = "input_stationary"  # DPConfig.per_sample_comm
     hp: int = 1  # head-parallel degree (2D attention)
     inner_ring: int | None = None  # double ring: inner ring size
+    fsdp: tuple | None = None  # mesh dims model states are sharded over
 
 
 CP_CASES = {
@@ -175,6 +176,14 @@ CP_CASES = {
     # Double ring: cp=4 as two inner rings of 2.
     "cp4w2-llama": CPCase(4, "llama", inner_ring=2),
     "cp4w2-hf_qwen2": CPCase(4, "hf_qwen2", inner_ring=2),
+    # Sharded model states: ZeRO-3 over every rank, and hybrid (sharded over cp, replicated over dp).
+    # "llama_odd" shards unevenly over 4 ranks (dims 50 and 250), also where the sequence group
+    # shards a gradient along dim 1 (w2: 50 x 96).
+    "fsdp-dp2cp2-llama_odd": CPCase(4, "llama_odd", dp=2, fsdp=("dp", "cp")),
+    "fsdp-dp2cp2-hf_qwen2": CPCase(4, "hf_qwen2", dp=2, fsdp=("dp", "cp")),
+    "fsdp-dp2cp2-llama_odd-block": CPCase(4, "llama_odd", dp=2, policy="block", fsdp=("dp", "cp")),
+    "hsdp-dp2cp2-llama": CPCase(4, "llama", dp=2, fsdp=("cp",)),
+    "hsdp-over-dp-dp2cp2-llama": CPCase(4, "llama", dp=2, fsdp=("dp",)),  # replicated over cp
 }
 CP_CLIP = 0.05  # max_grad_norm of the distributed cases: small enough that samples are clipped
 CP_NOISE_SEED, CP_NOISE_E = 7, 4.0  # the noisy run: insecure_seed, and the expected batch size it divides by
@@ -183,13 +192,20 @@ CP_NOISE_SEED, CP_NOISE_E = 7, 4.0  # the noisy run: insecure_seed, and the expe
 CP_STEPS, CP_LR = 3, 0.5  # the training run: SGD steps (noise 0) on each replica's batch
 
 
+def llama_odd(seed=0):
+    """The tiny Llama with widths that 4 shards do not divide: dim 50 (5 heads of 10, one K/V
+    head), vocabulary 250."""
+    return tiny_llama(seed, dim=50, n_heads=5, n_kv_heads=1, ffn_dim=96, vocab_size=250)
+
+
 def case_model(kind: str):
-    return {"llama": tiny_llama, "llama_units": tiny_llama, "hf_llama": hf_llama, "hf_qwen2": hf_qwen2}[kind](seed=0)
+    return {"llama": tiny_llama, "llama_units": tiny_llama, "hf_llama": hf_llama, "hf_qwen2": hf_qwen2,
+            "llama_odd": llama_odd}[kind](seed=0)
 
 
 def case_batches(kind: str, dp: int, T: int = 16) -> list:
     """One (2, T) batch of token ids per dp replica (input ids = labels); "llama_units":
     (2, 3, T), samples of three rows each."""
-    vocab = 128 if kind.startswith("hf_") else 256
+    vocab = 128 if kind.startswith("hf_") else 250 if kind == "llama_odd" else 256
     shape = (2, 3, T) if kind == "llama_units" else (2, T)
     return [torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(s)) for s in range(dp)]

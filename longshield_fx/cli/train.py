@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,9 @@ DESCRIPTION = (
     "Context parallel: torchrun --standalone --nproc-per-node 2 -m longshield_fx train --cp 2\n"
     "(world size W = dp * cp; each of the W/cp data-parallel groups takes a share of every\n"
     "logical batch; all ranks read the same corpus and build the same model from --seed, rank 0's noise\n"
-    "and sampling keys are broadcast to all; rank 0 prints and writes).")
+    "and sampling keys are broadcast to all; rank 0 prints and writes). --fsdp dp,cp shards the model\n"
+    "states (parameters, clipped sums, AdamW) over those mesh dims, --fsdp cp within each cp group\n"
+    "(hybrid); its checkpoints are torch.distributed.checkpoint folders, resumable on another world size.")
 
 
 def add_parser(sub) -> None:
@@ -110,6 +113,11 @@ def _output_args(p) -> None:
                    help="write a checkpoint every K steps and at the end (0: never)")
     p.add_argument("--keep-checkpoints", type=positive_int, default=2, metavar="N",
                    help="keep the N newest checkpoints, delete older ones")
+    p.add_argument("--fsdp", default=None, metavar="DIMS",
+                   help="shard model states (parameters, clipped sums, AdamW states) over these mesh dims under "
+                   "torchrun: 'dp,cp' over every rank (ZeRO-3), 'cp' within each cp group, replicated over dp; a "
+                   "dim of size 1 is left out. Checkpoints become DCP folders that resume on any world size "
+                   "(default: none, every rank holds everything)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue exactly from the newest complete checkpoint of the run in DIR (its --out, "
                    "or its checkpoints/ folder); refused if the model, DP config, T or batch sizes differ. The "
@@ -129,6 +137,7 @@ class Job:
     resumed_run: Path | None = None      # the run dir --resume named
     ckpt_folder: Path | None = None
     mesh: object = None
+    fsdp: tuple | None = None            # mesh dims the model states are sharded over (--fsdp)
     dp: int = 1
     dp_rank: int = 0
     corpus: object = None                # the training data: cli.corpus.Corpus or cli.documents.Documents
@@ -171,6 +180,7 @@ def train(args) -> int:
     job = Job(args, time.time())
     _check_args(job)
     job.mesh, job.dp, job.dp_rank = setup_distributed(args.cp, args.device, "train")
+    job.fsdp = _fsdp_dims(args.fsdp, job.mesh)
     _load_corpus(job)
     build_model_for(job)
     job.device = torch.device(args.device)
@@ -195,11 +205,32 @@ def _check_args(job: Job) -> None:
         raise CLIError("--device cuda: no CUDA device is available")
     check_model_flags(args)
     check_data_args(args)
+    if args.fsdp and (args.eval_data or args.eval_fraction):
+        raise CLIError("--fsdp with held-out evaluation (--eval-data/--eval-fraction) is not supported yet: "
+                       "evaluation runs on rank 0 alone, which does not hold the whole model; evaluate the "
+                       "written model afterwards, or train without --fsdp")
     job.run_dir = Path(args.out) if args.out else None
     if args.resume:
         job.resumed_run, job.ckpt_folder = resolve_resume(args.resume)
         job.run_dir = job.run_dir or job.resumed_run
     job.run_dir = job.run_dir or Path("runs/train")
+
+
+def _fsdp_dims(text: str | None, mesh) -> tuple[str, ...] | None:
+    """--fsdp 'dp,cp' -> the mesh dims to shard over (a dim the mesh does not have, size 1, is left out)."""
+    if text is None:
+        return None
+    dims = tuple(d.strip() for d in text.split(",") if d.strip())
+    unknown = [d for d in dims if d not in ("dp", "cp")]
+    if unknown or not dims:
+        raise CLIError(f"--fsdp takes mesh dims among dp and cp, e.g. 'dp,cp' or 'cp'; got {text!r}")
+    if mesh is None:
+        raise CLIError("--fsdp shards model states over ranks: run under torchrun, e.g. torchrun --standalone "
+                       "--nproc-per-node 4 -m longshield_fx train --cp 2 --fsdp dp,cp")
+    present = tuple(d for d in dims if d in mesh.mesh_dim_names)
+    if not present:
+        raise CLIError(f"--fsdp {text}: none of those dims has more than one rank here (mesh {mesh.mesh_dim_names})")
+    return present
 
 
 def _load_corpus(job: Job) -> None:
@@ -268,7 +299,7 @@ def _compile(job: Job, dataset=None) -> None:
     # No seed: the noise key is 256 bits from the OS (rank 0's, broadcast), unless --insecure-seed.
     config = lf.DPConfig(args.max_grad_norm, job.sigma, clipping=args.clipping, accountant=args.accountant,
                          insecure_seed=args.insecure_seed)
-    job.engine = lf.compile(job.model, job.mesh, config=config,
+    job.engine = lf.compile(job.model, job.mesh, config=config, fsdp=job.fsdp,
                             checkpoint=None if args.checkpoint == "none" else args.checkpoint)
     _lower_or_refuse(job, dataset)
     job.opt = torch.optim.AdamW(job.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -295,10 +326,19 @@ def _lower_or_refuse(job: Job, dataset) -> None:
 
 def _restore(job: Job, state: dict) -> None:
     """Model, optimizer, the secret sampling and noise streams, the accountant and the RNG."""
-    job.model.load_state_dict(state["model"])
-    job.opt.load_state_dict(state["optimizer"])
-    job.batches.load_state_dict(state["sampler"])  # continues the same secret sampling stream
-    job.engine.load_state_dict(state["engine"])  # accountant and the same secret noise stream
+    import longshield_fx as lf
+
+    if bool(state.get("dcp")) != bool(job.fsdp):
+        raise CLIError(f"{job.resumed_from} was written " + ("with" if state.get("dcp") else "without")
+                       + " --fsdp (sharded model states); resume it " + ("with --fsdp under torchrun"
+                                                                         if state.get("dcp") else "without --fsdp"))
+    if state.get("dcp"):  # model, optimizer, engine and sampler, re-sharded for this run's mesh
+        lf.load_checkpoint(job.ckpt_folder / state["dcp"], job.engine, job.opt, job.batches)
+    else:
+        job.model.load_state_dict(state["model"])
+        job.opt.load_state_dict(state["optimizer"])
+        job.batches.load_state_dict(state["sampler"])  # continues the same secret sampling stream
+        job.engine.load_state_dict(state["engine"])  # accountant and the same secret noise stream
     torch.set_rng_state(state["torch_rng"])
     if state.get("cuda_rng") is not None and job.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"])
@@ -372,17 +412,31 @@ def _announce(job: Job) -> None:
 
 
 def save_checkpoint(job: Job, step: int) -> None:
-    """Rank 0 writes ckpt-<step>.pt atomically and keeps the newest --keep-checkpoints."""
+    """Rank 0 writes ckpt-<step>.pt atomically and keeps the newest --keep-checkpoints. With
+    --fsdp every rank first writes its shards into the DCP folder ckpt-<step>.dcp/, which the
+    .pt file (written last: a checkpoint is complete when it exists) names."""
+    import torch.distributed as dist
+
+    import longshield_fx as lf
+
+    folder = checkpoint_dir(job.run_dir)
+    if job.fsdp:
+        dcp_name = f"ckpt-{step:08d}.dcp"
+        lf.save_checkpoint(folder / dcp_name, job.engine, job.opt, job.batches)
+        dist.barrier()
+        held = {"dcp": dcp_name, "model": None, "optimizer": None, "sampler": None, "engine": None}
+    elif job.rank0:
+        held = {"model": job.model.state_dict(), "optimizer": job.opt.state_dict(),
+                "sampler": job.batches.state_dict(), "engine": job.engine.state_dict()}
     if not job.rank0:
         return
     state = {  # SECRET: the sampler's and the engine's states hold the sampling and noise keys
         "format": CHECKPOINT_FORMAT, "complete": True, "step": step, "signature": job.signature,
-        "model": job.model.state_dict(), "optimizer": job.opt.state_dict(), "sampler": job.batches.state_dict(),
-        "engine": job.engine.state_dict(), "torch_rng": torch.get_rng_state(),
+        **held, "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if job.device.type == "cuda" else None,
         "tokens": job.tokens_seen, "elapsed_s": job.elapsed_before + (time.time() - job.t_loop),
     }
-    folder = checkpoint_dir(job.run_dir)
     atomic_save(state, folder / f"ckpt-{step:08d}.pt")
     for _, old in list_checkpoints(folder)[job.args.keep_checkpoints:]:
         old.unlink(missing_ok=True)
+        shutil.rmtree(old.with_suffix(".dcp"), ignore_errors=True)

@@ -218,6 +218,8 @@ def finish(job: Job) -> int:
     wall, loop = time.time() - job.t_start, time.time() - job.t_loop
     startup = job.t_loop - job.t_start
     summary_ = summary(job, eps, loop, wall, startup)
+    if job.fsdp:  # every rank takes part in gathering the whole model, which rank 0 writes
+        job.engine.sharding.unshard_model(job.model)
     written = _write_outputs(job, summary_, eps) if job.rank0 else ""
     _, k, first, last = _loss_summary(job.rows)
     private = summary_[NOT_COVERED]

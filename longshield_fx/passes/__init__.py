@@ -24,9 +24,11 @@ from .checkpoint import checkpoint
 from .chunked_loss import chunked_loss
 from .clip import clip
 from .context_parallel import context_parallel
+from .gather_params import gather_params
 from .ghost_norm import ghost_norm
 from .overlap import overlap
 from .per_sample import per_sample
+from .scatter_clipped_sums import scatter_clipped_sums
 from .shard_grads import shard_grads
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
@@ -34,18 +36,21 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 __all__ = ["Lowered", "Pass", "PassContext", "PassRecord", "format_log", "lower", "pipeline"]
 
 
-def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None,
+def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None, fsdp: bool = False,
              disable: Iterable[str] = ()) -> list[Pass]:
     """The ordered passes for a configuration.
 
     ``training``: the clipped-sum graph (True) or the per-sample-gradient graph (False,
     ``engine.per_sample_grads``; its gradients stay full under cp). ``cp``: the
     sequence-parallel degree (cp x hp ranks share a sequence). ``checkpointing``: the
-    activation-checkpointing policy. ``disable``: pass names to leave out, for experiments
+    activation-checkpointing policy. ``fsdp``: parameters and clipped sums are sharded
+    (``compile(..., fsdp=...)``). ``disable``: pass names to leave out, for experiments
     and benchmarks; a name not in the list is an error.
 
     >>> [p.__name__ for p in pipeline(training=True, cp=2, checkpointing="block")]
     ['batch_dims', 'context_parallel', 'chunked_loss', 'per_sample', 'shard_grads', 'clip', 'overlap', 'checkpoint']
+    >>> [p.__name__ for p in pipeline(training=True, cp=2, fsdp=True)][-4:]
+    ['clip', 'scatter_clipped_sums', 'gather_params', 'overlap']
     >>> [p.__name__ for p in pipeline(training=True)]
     ['batch_dims', 'chunked_loss', 'per_sample', 'ghost_norm', 'clip']
     """
@@ -58,7 +63,9 @@ def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None,
         (shard_grads, training and cp_only),
         (ghost_norm, training and not cp_only),
         (clip, training),
-        (overlap, training and cp_only),
+        (scatter_clipped_sums, training and fsdp),
+        (gather_params, fsdp),
+        (overlap, training and (cp_only or fsdp)),
         (checkpoint, checkpointing is not None),
     ]
     passes = [p for p, on in steps if on]

@@ -13,7 +13,8 @@ class PassContext:
     ``sp_*``: the sequence-parallel group, every rank holding part of a sample's sequence
     (size 1: one process); within it ``cp_*`` is the attention ring and ``hp_*`` the head
     all-to-all of 2D attention (sp = cp x hp). ``checkpoint``: the activation-checkpointing
-    policy (None, "block" or "selective").
+    policy (None, "block" or "selective"). ``fsdp_*``: parameters and clipped sums are
+    sharded along dim 0 over that group (``runtime.fsdp``), replicated over the replica group.
     """
 
     captured: CapturedGraph
@@ -28,6 +29,9 @@ class PassContext:
     hp_size: int = 1
     hp_group_name: str | None = None
     checkpoint: str | None = None
+    fsdp_size: int = 1  # shards of each parameter (1: parameters enter the graph whole)
+    fsdp_group_name: str | None = None
+    fsdp_replica_group_name: str | None = None  # hybrid sharding: the ranks holding the same shard
 
     def param_meta(self, name: str) -> dict:
         """The ``meta`` dict of trainable parameter ``name``'s placeholder, where passes

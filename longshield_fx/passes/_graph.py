@@ -1,6 +1,8 @@
 """Graph utilities shared by the passes."""
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 
@@ -20,6 +22,20 @@ def module_of(node: fx.Node) -> str:
         path = path.split("].", 1)[-1] if "]." in path else "<model>"
     name = getattr(cls, "__name__", str(cls))
     return f"{path} ({name})"
+
+
+_BLOCK = re.compile(r"^(.*?\.)?\w+\.\d+$")
+
+
+def region_of(node: fx.Node) -> str | None:
+    """The transformer block a node comes from (the first module on its path whose name
+    ends in an index: ``layers.3``, ``h.0``), from the forward's module stack, or for a
+    backward node the stack of the forward node it differentiates; None outside blocks."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    for path, _ in stack.values():
+        if _BLOCK.match(path):
+            return path
+    return None
 
 
 def is_backward(node: fx.Node) -> bool:

@@ -29,8 +29,6 @@ same inputs, random draws are not repeated); the graph stays topologically order
 """
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.fx as fx
 
@@ -38,19 +36,10 @@ from .._torch import COLLECTIVES, c10d
 from ..errors import UnsupportedModelError
 from .. import ops  # noqa: F401  (registers longshield::ring_attention)
 from ._context import KEEP_SELECTIVE, PassContext
-from ._graph import FUSED_ATTENTION
+from ._graph import FUSED_ATTENTION, region_of
 
 aten = torch.ops.aten
-_BLOCK = re.compile(r"^(.*?\.)?\w+\.\d+$")
 _RING = torch.ops.longshield.ring_attention.default
-
-
-def region_of(node: fx.Node) -> str | None:
-    """The transformer block a forward node belongs to, from its module path."""
-    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        if _BLOCK.match(path):
-            return path
-    return None
 
 
 def checkpoint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -5,8 +5,12 @@ where ``shard_grads``/``clip`` put it, right after the per-sample einsum that pr
 input (the input-stationary pattern of longshield.md section 3.2); its ``wait_tensor`` and
 the layout ops that read only the waited result are sunk to just before their first real
 consumer, so the backward data-gradient matmuls of earlier layers run while the
-reduce-scatter is in flight. The new order is a topological sort (networkx, on the
-graph's data edges) keyed by original position, waits keyed by their first consumer.
+reduce-scatter is in flight. The all-gathers of sharded parameters (``gather_params``)
+are prefetched instead: grouped by the transformer block (and phase, forward or backward)
+of their first use, each group is issued right before the previous group's first use, so a
+block's parameters travel while the block before it computes. The new order is a
+topological sort (networkx, on the graph's data edges) keyed by original position, waits
+keyed by their first consumer, parameter gathers by their prefetch point.
 
 Caps: at most ``max_in_flight`` collectives outstanding and at most ``max_pinned_bytes`` of
 their outputs pinned; when a new collective would exceed either, the oldest outstanding
@@ -28,10 +32,11 @@ import torch.fx as fx
 
 from .._torch import COLLECTIVES, c10d
 from ._context import PassContext
-from ._graph import nbytes, val
+from ._graph import is_backward, nbytes, region_of, val
 
 aten = torch.ops.aten
-_LAYOUT = {aten.movedim.int, aten.view.default, aten.permute.default, aten.select.int, aten.unsqueeze.default}
+_LAYOUT = {aten.movedim.int, aten.view.default, aten.permute.default, aten.select.int, aten.unsqueeze.default,
+           aten.slice.Tensor}
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ def schedule(graph: fx.Graph, limits: OverlapLimits) -> list[fx.Node]:
     for node in reversed(nodes):  # a deferred node runs just before its first consumer
         if node in deferred and node.users:
             key[node] = min(key[u] for u in node.users) - 1e-3
+    key.update(_prefetch_keys(nodes, key))
     dag = nx.DiGraph()
     dag.add_nodes_from(nodes)
     dag.add_edges_from((i, n) for n in nodes for i in n.all_input_nodes)
@@ -110,6 +116,43 @@ def schedule(graph: fx.Graph, limits: OverlapLimits) -> list[fx.Node]:
     return order
 
 
+def _prefetch_keys(nodes: list[fx.Node], key: dict) -> dict:
+    """Keys that issue each parameter all-gather one group ahead: groups are consecutive
+    gathers (by first use) whose first reader is in the same block and phase; group i is
+    keyed just before group i-1's first use. The first group keeps its own key."""
+    gathers = [n for n in nodes if n.target == c10d.all_gather_into_tensor.default and n.args[0].op == "placeholder"]
+    first_reader = {g: _first_reader(g, key) for g in gathers}
+    gathers.sort(key=lambda g: key[first_reader[g]])
+    groups: list[list[fx.Node]] = []
+    label = None
+    for g in gathers:
+        reader = first_reader[g]
+        mine = (region_of(reader), is_backward(reader))
+        if not groups or mine[0] is None or mine != label:
+            groups.append([])
+        groups[-1].append(g)
+        label = mine
+    out = {}
+    for previous, group in zip(groups, groups[1:]):
+        start = min(key[first_reader[g]] for g in previous)
+        for g in group:
+            out[g] = start - 0.5
+    return out
+
+
+def _first_reader(gather: fx.Node, key: dict) -> fx.Node:
+    """The first node reading the gathered parameter past its wait and layout ops."""
+    frontier, readers = [gather], []
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.target == c10d.wait_tensor.default or user.target in _LAYOUT:
+                frontier.append(user)
+            else:
+                readers.append(user)
+    return min(readers, key=key.__getitem__)
+
+
 def _wait_of(issue: fx.Node) -> fx.Node:
     return next(u for u in issue.users if u.target == c10d.wait_tensor.default)
 
@@ -126,12 +169,18 @@ class ScheduleError(AssertionError):
 
 
 def collective_signature(order) -> list[tuple]:
-    """The sequence of collectives as every rank must issue them: (op, args other than data)."""
-    out = []
+    """The sequence of collectives as every rank must issue them: (op, args other than data).
+
+    The group (every functional collective's last argument) is named by the order in which
+    this rank first uses it: ranks of different groups of one mesh dim (the cp group of dp
+    replica 0 and of replica 1) hold different group names for the same role."""
+    out, groups = [], {}
     for node in order:
         if node.target in COLLECTIVES:
             shape = tuple(val(node.args[0]).shape) if val(node.args[0]) is not None else None
-            out.append((str(node.target), shape, tuple(a for a in node.args[1:] if not isinstance(a, fx.Node))))
+            *args, group = node.args[1:]
+            role = f"group {groups.setdefault(group, len(groups))}"
+            out.append((str(node.target), shape, tuple(a for a in args if not isinstance(a, fx.Node)) + (role,)))
     return out
 
 

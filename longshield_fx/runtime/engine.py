@@ -5,6 +5,7 @@ as inputs) and ``param.grad`` is written in ``finalize``.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
@@ -22,6 +23,7 @@ from ..passes import Lowered, PassContext, format_log, lower, pipeline
 from ..passes._graph import val
 from .accounting import PrivacyAccountant
 from .noise import NoiseGenerator, broadcast_key, key_from_insecure_seed
+from .fsdp import Sharding
 from .guards import describe_change, fingerprint
 from .parallel import Parallel
 
@@ -56,21 +58,26 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None, checkpoint=None,
-                 disable_passes=(), inner_ring: int | None = None):
+                 disable_passes=(), inner_ring: int | None = None, fsdp=None):
         self.model = model
         self.checkpoint = checkpoint
         self.config = config
         self.parallel = Parallel.from_mesh(model, mesh, inner_ring)
+        # Sharded model states: the parameters become DTensor shards (see runtime.fsdp).
+        self.sharding = Sharding.from_mesh(mesh, fsdp)
         # The ordered passes of each graph: "train" (clipped sums) and "per_sample" (the
         # per-sample gradients behind ``per_sample_grads``). "train" has every pass of
         # "per_sample"; a disabled pass is left out of each graph that has it (overlap is
         # only in "train"), and a name that is in neither is an error (raised here).
         cp = self.parallel.sp  # the sequence-parallel degree decides the passes
-        in_per_sample = {p.__name__ for p in pipeline(training=False, cp=cp, checkpointing=checkpoint)}
+        sharded = self.sharding is not None
+        in_per_sample = {p.__name__ for p in pipeline(training=False, cp=cp, checkpointing=checkpoint, fsdp=sharded)}
         self.pipelines = {
-            "train": pipeline(training=True, cp=cp, checkpointing=checkpoint, disable=disable_passes),
-            "per_sample": pipeline(training=False, cp=cp, checkpointing=checkpoint,
+            "train": pipeline(training=True, cp=cp, checkpointing=checkpoint, fsdp=sharded, disable=disable_passes),
+            "per_sample": pipeline(training=False, cp=cp, checkpointing=checkpoint, fsdp=sharded,
                                    disable=set(disable_passes) & in_per_sample)}
+        if sharded:  # last of the checks: from here on the model's parameters are DTensor shards
+            self.sharding.shard_model(model)
         self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
         self.nonfinite_samples = 0  # real samples whose gradient was inf/nan (contributed 0)
         self._lowered: dict[str, Lowered] = {}
@@ -87,9 +94,12 @@ class Engine:
             self.accountant = PrivacyAccountant(config.accountant)
             key = None if config.insecure_seed is None else key_from_insecure_seed(config.insecure_seed, "noise")
             # On the parameters' device, so the noise is drawn where the gradients are. Every
-            # rank draws the same noise (rank 0's key), added once to the same full gradient.
+            # rank holds rank 0's key. Unsharded, every rank draws the same noise, added once
+            # to the same full gradient; sharded, each shard draws from its own nonces (its
+            # stream), so every coordinate gets one draw and replicas of a shard the same one.
             device = next(model.parameters()).device
-            self._noise = NoiseGenerator(device, secure=config.secure_rng, key=broadcast_key(key))
+            stream = self.sharding.index if sharded else 0
+            self._noise = NoiseGenerator(device, secure=config.secure_rng, key=broadcast_key(key), stream=stream)
 
     # --- compilation ----------------------------------------------------------------------
     def lower(self, *example_batch, graph: str = "train") -> Lowered:
@@ -159,12 +169,15 @@ class Engine:
         dtype = self._dtype()
         state = fingerprint(self.model)  # before capture: what the graph is traced from
         model = self.parallel.capture_module(self.model)
-        if dtype is not None and dtype != next(model.parameters()).dtype:
+        if dtype is not None and dtype != next(model.parameters()).dtype and self.sharding is None:
             model = copy.deepcopy(model).to(dtype)  # capture only; the live model keeps its dtype
         batch = self.parallel.shard(batch)
         captured = self._shared_capture(state, batch)
         if captured is None:
-            with torch.enable_grad():  # the joint graph needs autograd, whatever mode the caller is in
+            # the joint graph needs autograd, whatever mode the caller is in; a sharded model
+            # is traced with full-shape fake parameters (in the compute dtype) in its shards' place
+            full = self.sharding.full_parameters(model, dtype) if self.sharding else contextlib.nullcontext()
+            with torch.enable_grad(), full:
                 captured = capture(model, batch)
             self.captures += 1
             self._pristine = (state, captured.copy())  # the other graph starts from this capture
@@ -181,7 +194,7 @@ class Engine:
         ctx = PassContext(captured, B, self.config, sp_size=par.sp, sp_group_name=par.sp_group_name,
                           sp_rank=par.sp_rank, cp_size=par.cp, cp_group_name=par.cp_group_name,
                           cp_inner=par.inner_ring, hp_size=par.hp, hp_group_name=par.hp_group_name,
-                          checkpoint=self.checkpoint)
+                          checkpoint=self.checkpoint, **self._fsdp_context())
         # Passes first: a pass names a mixing op (batch norm) better than the mutation does.
         lowered = lower(ctx, self.pipelines[graph])
         if captured.mutations:
@@ -189,6 +202,17 @@ class Engine:
                 f"the forward mutates model state ({', '.join(captured.mutations)}); the compiled step "
                 "would drop those updates. Way out: keep buffers constant during the training step")
         return lowered
+
+    def _fsdp_context(self) -> dict:
+        sh = self.sharding
+        if sh is None:
+            return {}
+        return {"fsdp_size": sh.n, "fsdp_group_name": sh.group.group_name,
+                "fsdp_replica_group_name": None if sh.replica_group is None else sh.replica_group.group_name}
+
+    def _args(self, captured, sharded_batch, cotangent) -> list:
+        local = self.sharding.local if self.sharding is not None else None
+        return captured.gather_args(self.model, sharded_batch, cotangent, dtype=self._dtype(), local=local)
 
     def _shared_capture(self, state, sharded_batch):
         """A copy of the last capture when the model is still what it was traced from: both
@@ -241,7 +265,7 @@ class Engine:
         captured, gm = lowered.captured, lowered.gm
         loss_val = val(captured.cotangent_placeholder())
         cotangent = mask.to(device=batch[0].device, dtype=loss_val.dtype)
-        args = captured.gather_args(self.model, sharded, cotangent, dtype=self._dtype())
+        args = self._args(captured, sharded, cotangent)
         with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             loss_sum, norms, *sums = gm(*args)
             loss_sum = self.parallel.sum_over_sp(loss_sum)
@@ -280,15 +304,21 @@ class Engine:
                              "batch of this logical batch (mask= marks its real rows), then finalize it")
         sigma_c = self.config.noise_multiplier * self.config.max_grad_norm
         params = dict(self.model.named_parameters())
-        shard_dims = self._lowered["train"].shard_dims
-        with self.parallel.collective_errors():
-            full = {name: self.parallel.full_clipped_sum(total, shard_dims[name]).contiguous()
-                    for name, total in self._accum.items()}
+        if self.sharding is not None:  # the accumulator holds this rank's (padded) shards
+            sums = self._accum
+        else:
+            shard_dims = self._lowered["train"].shard_dims
+            with self.parallel.collective_errors():
+                sums = {name: self.parallel.full_clipped_sum(total, shard_dims[name]).contiguous()
+                        for name, total in self._accum.items()}
         if sigma_c > 0:
-            self._noise.add_noise(list(full.values()), sigma_c)
-        for name, total in full.items():
+            self._noise.add_noise(list(sums.values()), sigma_c)
+        for name, total in sums.items():
             p = params[name]
-            p.grad = (total / batch.expected_size).to(device=p.device, dtype=p.dtype)
+            if self.sharding is not None:
+                p.grad = self.sharding.to_param_grad(total / batch.expected_size, p)
+            else:
+                p.grad = (total / batch.expected_size).to(device=p.device, dtype=p.dtype)
         self._accum = None
         self._accumulated = 0
         self.accountant.step(self.config.noise_multiplier, batch.sample_rate)
@@ -316,7 +346,7 @@ class Engine:
         captured, gm = lowered.captured, lowered.gm
         B = batch[0].shape[0]
         cotangent = torch.ones(B, dtype=val(captured.cotangent_placeholder()).dtype, device=batch[0].device)
-        args = captured.gather_args(self.model, self.parallel.shard(batch), cotangent, dtype=self._dtype())
+        args = self._args(captured, self.parallel.shard(batch), cotangent)
         with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             _, *grads = gm(*args)
             # Each cp rank holds the partial gradient of its tokens; the full one is their sum.
@@ -331,10 +361,19 @@ class Engine:
         SECRET: the noise key regenerates every noise draw of the run (anyone holding it can
         subtract the noise from released gradients) and the sampling key tells who was
         sampled. Store checkpoints like the private data.
+
+        With sharded model states (``fsdp``) this is a collective: every rank calls it (the
+        saved draw counter is the largest of any shard's), as ``save_checkpoint`` does.
         """
         if self._accum is not None:
             raise RuntimeError("engine.state_dict: save between finalize and the next accumulate")
-        state = {"accountant": self.accountant.state_dict(), "noise": self._noise.state_dict(),
+        noise = self._noise.state_dict()
+        if self.sharding is not None:
+            # Shards draw different amounts; resumed on another layout, every stream must
+            # start past every nonce any shard used.
+            with self.parallel.collective_errors():
+                noise["stream"]["draws"] = self.parallel.max_over_world(noise["stream"]["draws"])
+        state = {"accountant": self.accountant.state_dict(), "noise": noise,
                  "nonfinite_samples": self.nonfinite_samples, "config": repr(self.config)}
         if sampler is not None:
             state["sampler"] = sampler.state_dict()
@@ -378,7 +417,8 @@ class Engine:
         return self.parallel.communication_bytes(self._lowered["train"].gm)
 
     def __repr__(self) -> str:
-        lines = [f"Engine(config={self.config!r}, captures={self.captures}, {self.parallel})"]
+        sharding = "" if self.sharding is None else f", {self.sharding}"
+        lines = [f"Engine(config={self.config!r}, captures={self.captures}, {self.parallel}{sharding})"]
         for graph, passes in self.pipelines.items():
             lines.append(f" {graph} pipeline: " + " -> ".join(p.__name__ for p in passes))
             lowered = self._lowered.get(graph)

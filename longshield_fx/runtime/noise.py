@@ -13,8 +13,9 @@ each other and against RFC 8439's test vector):
   needed; for the noise it is compiled together with the Gaussian transform into fused
   kernels over fixed-size chunks (one compilation), eager if compiling fails (same values).
 
-Each call draws from a fresh 96-bit nonce (a draw counter), so streams never overlap and
-the state is just ``(key, draws)``. That state reproduces every future draw: it is secret
+Each call draws from a fresh 96-bit nonce: a 64-bit draw counter and a 32-bit stream
+number (the shard index when model states are sharded, else 0), so no two draws of any
+rank share a nonce, and the state is just ``(key, draws)``. That state reproduces every future draw: it is secret
 material, and so is any checkpoint that holds it.
 
 Floating point: uniforms have 53 random bits (never 0); Box-Muller in float64. With
@@ -76,12 +77,19 @@ def broadcast_key(key: bytes | None = None) -> bytes:
 
 
 class KeyStream:
-    """ChaCha20 keyed by 256 secret bits; each ``uniform53`` call uses a fresh nonce."""
+    """ChaCha20 keyed by 256 secret bits; each ``uniform53`` call uses a fresh nonce.
 
-    def __init__(self, key: bytes | None = None):
+    ``stream``: the nonce's upper 32 bits. Holders of one key with different stream numbers
+    (the shards of a sharded model) draw independent values; equal numbers, equal values.
+    """
+
+    def __init__(self, key: bytes | None = None, stream: int = 0):
         self.key = os.urandom(32) if key is None else bytes(key)
         if len(self.key) != 32:
             raise ValueError(f"KeyStream: the key must be 32 bytes, got {len(self.key)}")
+        if not 0 <= stream < 2 ** 32:
+            raise ValueError(f"KeyStream: stream must be in [0, 2**32), got {stream}")
+        self.stream = stream
         self.draws = 0
 
     def uniform53(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -101,9 +109,10 @@ class KeyStream:
         return (w[:, 1] << 21) | (w[:, 0] >> 11)
 
     def next_nonce(self) -> bytes:
-        """The 96-bit nonce of the next draw (a counter: streams never overlap)."""
+        """The 96-bit nonce of the next draw: the draw counter (64 bits, little-endian), then
+        the stream number (32 bits); nonces never repeat."""
         self.draws += 1
-        return (self.draws - 1).to_bytes(12, "little")
+        return (self.draws - 1).to_bytes(8, "little") + self.stream.to_bytes(4, "little")
 
     def state_dict(self) -> dict:
         """The key and the draw counter: SECRET (they reproduce every future draw)."""
@@ -121,10 +130,11 @@ class NoiseGenerator:
     coordinate from the same secret stream.
     """
 
-    def __init__(self, device: torch.device | str, *, secure: bool = True, key: bytes | None = None):
+    def __init__(self, device: torch.device | str, *, secure: bool = True, key: bytes | None = None,
+                 stream: int = 0):
         self.device = torch.device(device)
         self.secure = secure
-        self.stream = KeyStream(key)
+        self.stream = KeyStream(key, stream)
 
     def add_noise(self, tensors: list[torch.Tensor], std: float) -> None:
         """Add independent N(0, std²) values to every element of ``tensors``, in place.

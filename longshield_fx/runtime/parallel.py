@@ -7,8 +7,9 @@ them may be left out, but one of "cp" / "hp" must be there):
   into hp contiguous pieces (the head all-to-all of 2D attention puts them back together),
   labels shifted over the FULL sequence first and global positions passed, so the per-rank
   graph computes the same loss terms as one process;
-- ``finalize`` gathers the sp-sharded clipped sums (full gradients on every rank, for a
-  replicated optimizer) and sums them over dp, before the noise is added once.
+- without sharded model states (``runtime.fsdp``), ``finalize`` gathers the sp-sharded clipped
+  sums (full gradients on every rank, for a replicated optimizer) and sums them over dp,
+  before the noise is added once.
 """
 from __future__ import annotations
 
@@ -148,6 +149,11 @@ class Parallel:
         dist.all_reduce(t, group=self.dp_group)
         return int(t.item())
 
+    def max_over_world(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.mesh.device_type)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def sum_over_sp(self, t: torch.Tensor) -> torch.Tensor:
         if self.sp == 1:
             return t
@@ -187,7 +193,7 @@ class Parallel:
         all-to-all the (hp-1)/hp of its input that leaves the rank, ring attention its
         (cp-1) K/V hops (and in the backward the fp32 dK/dV accumulators' hops)."""
         out = {"reduce_scatter": 0, "all_reduce": 0, "all_gather": 0, "all_to_all": 0, "ring_attention": 0}
-        if self.sp == 1:
+        if self.mesh is None:
             return out
         ring = torch.ops.longshield
         for node in gm.graph.nodes:

@@ -6,9 +6,9 @@ process group for cp > 1), with every pass the engine runs, and adds up per GPU:
 
 - model states, sharded ZeRO-3 / FSDP style over ALL N GPUs (as longshield.md assumes:
   "each GPU holds a sharded model state O(M/N)", and TorchTitan shards FSDP over the
-  dp x cp mesh, so cp ranks shard the states too; longshield_fx's engine itself still hands
-  full gradients to a replicated optimizer, so these states are what a ZeRO-3 optimizer
-  around it would hold):
+  dp x cp mesh, so cp ranks shard the states too; the engine holds them so when compiled
+  with ``fsdp=("dp", "cp")``, but this term is still the formula below, not read off that
+  layout's graph):
     params     compute-dtype parameter shard             2 (bf16) or 4 (fp32) bytes / param / N
     grads      fp32 accumulator of the clipped sums       4 bytes / param / N
     optimizer  AdamW: fp32 master (bf16 only) + m + v    12 (bf16) or 8 (fp32) bytes / param / N

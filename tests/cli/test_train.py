@@ -366,3 +366,31 @@ def test_removing_one_long_document_moves_the_clipped_sum_by_at_most_c():
         if len(sums) == 1:
             assert engine.last_norms[long_doc] > C  # it is clipped: the bound is tight, not vacuous
     assert float((sums[0] - sums[1]).norm()) <= C * (1 + 1e-6)
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
+    """--fsdp dp,cp on 4 ranks (dp=2 x cp=2, ZeRO-3) writes DCP checkpoints; with its last one
+    removed (a run killed after step 2), the run resumes on 2 ranks (cp=2, ZeRO-3 over both) and
+    its step 3 starts from the same model: the same loss as the uninterrupted run's step 3."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    args = ["train", "--steps", 3, "-T", 64, "--save-every", 1, *FAST, "--insecure-seed", 3, "--accountant", "rdp",
+            "--sigma", 0.5, "--cp", 2, "--fsdp", "dp,cp", "--out", "run"]
+    four = run_cli(*args, cwd=tmp_path, launcher=torchrun + ["4", "-m", "longshield_fx"], timeout=600)
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert "cp=2, dp=2" in four.stdout
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "ckpt-00000003.dcp" / ".metadata").is_file()
+    assert load_state(checkpoints / "ckpt-00000003.pt")["dcp"] == "ckpt-00000003.dcp"
+    final = load_state(tmp_path / "run" / "final_model.pt")  # gathered: whole tensors
+    assert final["lm.tok_embeddings.weight"].shape == (256, 64)
+    uninterrupted = metric_rows(tmp_path / "run")
+    (checkpoints / "ckpt-00000003.pt").unlink()
+    shutil.rmtree(checkpoints / "ckpt-00000003.dcp")
+    two = run_cli(*args[:-2], "--resume", "run", cwd=tmp_path, launcher=torchrun + ["2", "-m", "longshield_fx"],
+                  timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "resumed from" in two.stdout and "at step 2/3" in two.stdout
+    resumed = metric_rows(tmp_path / "run")
+    assert [r["epsilon"] for r in resumed] == [r["epsilon"] for r in uninterrupted]
+    assert train_losses(resumed)[2] == pytest.approx(train_losses(uninterrupted)[2], rel=1e-5)

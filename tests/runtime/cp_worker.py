@@ -7,6 +7,8 @@ distributed check of that size and writes what it measured; the tests compare (t
 - world 4: the ring attention op on gloo (cp=4 on the world group, then cp=2 on two
   strided groups, i.e. dp=2), against full causal attention; then the engine cases of
   ``oracles.CP_CASES`` with world size 4 (cp=4, dp=2 x cp=2, 2D attention hp x cp, dp=2 x hp=2).
+  Then a DCP checkpoint of a ZeRO-3 run (``dcp_save``), which the test resumes on 2 ranks
+  (``cp_worker.py OUT_DIR --resume=PATH``, its own launch).
 - world 2: the engine cases with world size 2 (cp=2: plain, block / selective
   checkpointing, output-stationary); the model's per-rank random stream (dropout); then a
   dead peer (rank 1 exits, rank 0 must get a clear error, not a hang).
@@ -27,6 +29,7 @@ import traceback
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import longshield_fx as lf  # noqa: E402
@@ -35,8 +38,18 @@ from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STE
                      case_batches, case_model, causal_attention, logical, tiny_llama)
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a sharded DTensor is gathered)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
 def grads(model) -> dict:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {n: full(p.grad) for n, p in model.named_parameters()}
+
+
+def local_shards(model, attr: str) -> dict:
+    """This rank's shard of each parameter (``attr`` "data") or gradient ("grad")."""
+    return {n: getattr(p, attr).to_local().detach().clone() for n, p in model.named_parameters()}
 
 
 def case_mesh(world: int, dp: int, hp: int):
@@ -56,11 +69,17 @@ def engine_case(case) -> dict:
     model = case_model(kind)
     out = {}
 
-    engine = lf.compile(model, mesh, config=clean, checkpoint=policy, inner_ring=case.inner_ring)
+    kwargs = dict(checkpoint=policy, inner_ring=case.inner_ring, fsdp=case.fsdp)
+    engine = lf.compile(model, mesh, config=clean, **kwargs)
+    if case.fsdp:
+        out["sharded"] = {n: (isinstance(p, DTensor), tuple(p.to_local().shape) if isinstance(p, DTensor) else None,
+                              tuple(p.shape)) for n, p in model.named_parameters()}
     out["per_sample"] = engine.per_sample_grads(batches[0], batches[0])  # full, on every rank
     out["loss"] = float(engine.accumulate(mine, mine))  # summed over cp: this replica's batch
     engine.finalize(logical(2 * dp))  # E[B] = 1: .grad is the clipped sum over every replica
     out["clipped"] = grads(model)
+    if case.fsdp:
+        out["clipped_local"] = local_shards(model, "grad")
     out["clipped_something"] = bool((engine.last_norms > CP_CLIP).any())
     out["bytes"] = engine.communication_bytes()
     lowered = engine.lower(mine, mine)
@@ -68,8 +87,7 @@ def engine_case(case) -> dict:
     out["chunked_loss"] = any(n.target is torch.ops.longshield.lm_head_loss.default for n in lowered.gm.graph.nodes)
 
     # The overlap pass only reorders: without it the clipped gradient must be bit-identical.
-    no_overlap = lf.compile(model, mesh, config=clean, checkpoint=policy, inner_ring=case.inner_ring,
-                            disable_passes=("overlap",))
+    no_overlap = lf.compile(model, mesh, config=clean, disable_passes=("overlap",), **kwargs)
     no_overlap.accumulate(mine, mine)
     no_overlap.finalize(logical(2 * dp))
     out["clipped_no_overlap"] = grads(model)
@@ -78,10 +96,12 @@ def engine_case(case) -> dict:
     # Noise with a fixed key: the oracle adds the same draw once; here it must be added once
     # per coordinate too (not once per rank, shard or replica), divided by E[B].
     noisy = lf.DPConfig(max_grad_norm=CP_CLIP, noise_multiplier=1.0, insecure_seed=CP_NOISE_SEED, per_sample_comm=comm)
-    noisy_engine = lf.compile(model, mesh, config=noisy, checkpoint=policy, inner_ring=case.inner_ring)
+    noisy_engine = lf.compile(model, mesh, config=noisy, **kwargs)
     noisy_engine.accumulate(mine, mine)
     noisy_engine.finalize(logical(2 * dp, CP_NOISE_E))
     out["noisy"] = grads(model)
+    if case.fsdp:
+        out["noisy_local"] = local_shards(model, "grad")
 
     # Training: SGD steps on the clipped sums (the first engine's graph, no recapture).
     optimizer = torch.optim.SGD(model.parameters(), lr=CP_LR)
@@ -90,9 +110,51 @@ def engine_case(case) -> dict:
         engine.accumulate(mine, mine)
         engine.finalize(logical(2 * dp))
         optimizer.step()
-    out["trained"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["trained"] = {n: full(p) for n, p in model.named_parameters()}
+    if case.fsdp:
+        out["trained_local"] = local_shards(model, "data")
+        out["fsdp_index"] = engine.sharding.index
     out["captures"] = engine.captures
     return out
+
+
+DCP_OPTIMIZER = dict(lr=0.01, eps=1e-2)  # AdamW; a large eps keeps the update continuous in tiny gradients
+
+
+def _dcp_step(engine, optimizer, batches) -> None:
+    optimizer.zero_grad()
+    for b in batches:
+        engine.accumulate(b, b)
+    engine.finalize(logical(4))
+    optimizer.step()
+
+
+def dcp_save(out_dir: str) -> dict:
+    """4 ranks, dp=2 x cp=2, ZeRO-3, AdamW: one step, a DCP checkpoint, a second step."""
+    mesh = case_mesh(4, 2, 1)
+    batches = case_batches("llama", 2)
+    mine = [batches[mesh["dp"].get_local_rank()]]
+    model = case_model("llama")
+    engine = lf.compile(model, mesh, config=lf.DPConfig(CP_CLIP, 0.0), fsdp=("dp", "cp"))
+    optimizer = torch.optim.AdamW(model.parameters(), **DCP_OPTIMIZER)
+    _dcp_step(engine, optimizer, mine)
+    path = os.path.join(out_dir, "dcp")
+    lf.save_checkpoint(path, engine, optimizer)
+    _dcp_step(engine, optimizer, mine)
+    return {"path": path, "after": {n: full(p) for n, p in model.named_parameters()}}
+
+
+def dcp_resume(path: str) -> dict:
+    """2 ranks, cp=2, ZeRO-3 over both: load the 4-rank checkpoint, take the second step on
+    both replicas' batches (one replica now)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    model = case_model("llama")
+    engine = lf.compile(model, mesh, config=lf.DPConfig(CP_CLIP, 0.0), fsdp=("cp",))
+    optimizer = torch.optim.AdamW(model.parameters(), **DCP_OPTIMIZER)
+    lf.load_checkpoint(path, engine, optimizer)
+    steps = engine.accountant.steps
+    _dcp_step(engine, optimizer, case_batches("llama", 2))
+    return {"after": {n: full(p) for n, p in model.named_parameters()}, "steps_loaded": steps}
 
 
 def ring_case(world: int, cp: int, hkv: int, inner: int = 0) -> dict:
@@ -189,10 +251,17 @@ def main():
                 record(f"ring-cp{cp}-hkv{hkv}", ring_case, world, cp, hkv)
         for inner in (2, 1):  # two inner rings of 2; four of 1 (the outer ring does every hop)
             record(f"ring-cp4-w{inner}", ring_case, world, 4, 2, inner)
+    resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--resume=")]
+    if resume:  # ``cp_worker.py OUT_DIR --resume=PATH``: only the resumed run
+        record("dcp_resume", dcp_resume, resume[0])
+        dist.destroy_process_group()
+        return
     only = set(sys.argv[2:])  # by hand: ``cp_worker.py OUT_DIR NAME ...`` runs just those engine cases
     for name, case in CP_CASES.items():
         if case.world == world and (not only or name in only):
             record(name, engine_case, case)
+    if world == 4 and not only:
+        record("dcp_save", dcp_save, sys.argv[1])
     if world == 2:
         record("model_rng", model_rng)
         record("dead_peer", dead_peer)

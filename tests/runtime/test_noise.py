@@ -53,6 +53,21 @@ def test_uniform53_range_and_fresh_nonce_per_draw():
     assert abs(float(a.double().mean()) / 2**53 - 0.5) < 0.02
 
 
+def test_streams_of_one_key_are_independent_and_stream_0_keeps_the_nonce_layout():
+    """Shards of a sharded model hold one key with their own stream numbers: equal numbers
+    draw equal values (replicas stay equal), different numbers independent ones; stream 0's
+    nonces are the plain 96-bit draw counter."""
+    key = bytes(range(32))
+    a, b, a_again = KeyStream(key, 0), KeyStream(key, 1), KeyStream(key, 0)
+    x, y, z = a.uniform53(4096), b.uniform53(4096), a_again.uniform53(4096)
+    assert torch.equal(x, z)
+    assert not torch.isin(x, y).any()
+    assert KeyStream(key, 0).next_nonce() == (0).to_bytes(12, "little")
+    assert KeyStream(key, 7).next_nonce() == (0).to_bytes(8, "little") + (7).to_bytes(4, "little")
+    with pytest.raises(ValueError, match="stream"):
+        KeyStream(key, 2 ** 32)
+
+
 @pytest.mark.parametrize("secure", [True, False])
 def test_noise_is_standard_normal(secure):
     with pytest.warns(InsecureSeedWarning):  # a fixed key keeps the statistical test deterministic

@@ -96,7 +96,15 @@ def test_clipped_gradient_matches_one_process_on_every_rank(distributed, oracle,
     assert moved["reduce_scatter" if comm == "input_stationary" else "all_gather"] > 0, moved
 
 
-@pytest.mark.parametrize("name", CASES)
+def _noise_has_std(r: dict) -> None:
+    """noisy - clipped / E[B] has mean 0 and std σC/E[B] over all coordinates."""
+    noise = torch.cat([(r["noisy"][n] - r["clipped"][n] / CP_NOISE_E).flatten() for n in r["noisy"]]).double()
+    expected, n = 1.0 * CP_CLIP / CP_NOISE_E, noise.numel()
+    assert abs(float(noise.std()) - expected) <= 5 * expected / math.sqrt(2 * n)
+    assert abs(float(noise.mean())) <= 5 * expected / math.sqrt(n)
+
+
+@pytest.mark.parametrize("name", [p for p in CASES if CP_CASES[p.values[0]].fsdp is None])
 def test_noise_is_added_once_per_coordinate(distributed, oracle, name):
     """Same key as the oracle: the same noise, added once (not per rank, shard or replica),
     divided by E[B]; so noisy - clipped / E[B] has std σC/E[B] over the coordinates."""
@@ -105,11 +113,52 @@ def test_noise_is_added_once_per_coordinate(distributed, oracle, name):
     for rank, r in ranks.items():
         assert worst(r["noisy"], ref["noisy"]) <= 1e-5, rank
         assert bit_identical(r["noisy"], ranks[0]["noisy"]), rank
-    r = ranks[0]
-    noise = torch.cat([(r["noisy"][n] - r["clipped"][n] / CP_NOISE_E).flatten() for n in r["noisy"]]).double()
-    expected, n = 1.0 * CP_CLIP / CP_NOISE_E, noise.numel()
-    assert abs(float(noise.std()) - expected) <= 5 * expected / math.sqrt(2 * n)
-    assert abs(float(noise.mean())) <= 5 * expected / math.sqrt(n)
+    _noise_has_std(ranks[0])
+
+
+SHARDED = [p for p in CASES if CP_CASES[p.values[0]].fsdp is not None]
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_sharded_noise_is_one_draw_per_coordinate(distributed, name):
+    """Each shard draws its own coordinates' noise (its own nonces): std σC/E[B] over the
+    gathered gradient, and no shard repeats another's draws; replicas of a shard (hybrid
+    sharding) hold the same noisy shard, bit for bit."""
+    ranks, *_ = case(distributed, name)
+    _noise_has_std(ranks[0])
+    by_shard: dict[int, list] = {}
+    for rank, r in ranks.items():
+        by_shard.setdefault(r["fsdp_index"], []).append(r)
+    noise = [torch.cat([(r[0]["noisy_local"][n] - r[0]["clipped_local"][n] / CP_NOISE_E).flatten()
+                        for n in sorted(r[0]["noisy_local"])]) for r in by_shard.values()]
+    for i, a in enumerate(noise):
+        for b in noise[i + 1:]:
+            k = min(a.numel(), b.numel())  # a shared stream would repeat values position by position
+            same = torch.isclose(a[:k], b[:k], rtol=1e-3, atol=1e-7).double().mean()
+            assert same < 0.01, f"two shards drew the same noise ({float(same):.1%} of positions agree)"
+    for replicas in by_shard.values():
+        for r in replicas[1:]:
+            assert bit_identical(r["noisy_local"], replicas[0]["noisy_local"])
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_model_states_are_sharded_and_replicas_stay_equal(distributed, name):
+    """After compile every parameter is a DTensor holding 1/n of its rows (n shards over the
+    fsdp dims); after the training steps, replicas of a shard are bit-identical."""
+    ranks, *_ = case(distributed, name)
+    c = CP_CASES[name]
+    n = {("dp", "cp"): c.world, ("cp",): c.world // c.dp, ("dp",): c.dp}[c.fsdp]
+    shards = {r["fsdp_index"] for r in ranks.values()}
+    assert shards == set(range(n))
+    for rank, r in ranks.items():
+        for param, (is_dtensor, local, full) in r["sharded"].items():
+            assert is_dtensor, param
+            rows = -(-full[0] // n)  # torch.chunk's (and DTensor's) cut: ceil rows, the last ranks fewer
+            assert local[0] == max(0, min(rows, full[0] - r["fsdp_index"] * rows)), (param, local, full)
+            assert local[1:] == full[1:], param
+        peers = [p for p in ranks.values() if p["fsdp_index"] == r["fsdp_index"]]
+        assert len(peers) == c.world // n
+        assert all(bit_identical(p["trained_local"], r["trained_local"]) for p in peers), rank
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -158,3 +207,29 @@ def test_each_rank_draws_its_own_dropout_masks_and_ranks_stay_in_step(distribute
     r = distributed.check(2, "model_rng")
     assert not torch.equal(r[0]["inside"], r[1]["inside"])
     assert torch.equal(r[0]["after"], r[1]["after"])
+
+
+@pytest.mark.torchrun(4)
+def test_a_sharded_run_saved_on_4_ranks_resumes_on_2(distributed, tmp_path):
+    """DCP: ZeRO-3 over dp=2 x cp=2 saves after one AdamW step; a 2-rank run (cp=2, ZeRO-3 over
+    both) loads it, re-sharded, and its next step equals the uninterrupted 4-rank run's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    saved = distributed.check(4, "dcp_save")
+    worker = Path(__file__).parent / "cp_worker.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(worker), str(tmp_path), f"--resume={saved[0]['path']}"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    results = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)
+               if (tmp_path / f"rank{r}.pt").exists()}
+    assert proc.returncode == 0 and len(results) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank, r in results.items():
+        resumed = r["dcp_resume"]
+        assert resumed["steps_loaded"] == 1, rank  # the accountant came back too
+        assert worst(resumed["after"], saved[0]["after"]) <= 1e-5, rank
+    moved = max(float((saved[0]["after"][n] - p).abs().max()) for n, p in case_model("llama").named_parameters())
+    assert moved > 1e-3

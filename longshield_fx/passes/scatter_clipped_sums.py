@@ -1,0 +1,74 @@
+"""The ``scatter_clipped_sums`` pass: each rank keeps only its shard of the clipped sums.
+
+Rewrites: each clipped-sum output of ``clip`` (the full parameter shape, or under sequence
+parallelism the slice ``shard_grads`` left this rank along ``meta[CP_SHARD_DIM]``) into
+this rank's fsdp shard of the clipped sum over every replica's samples, dim 0 padded to
+c = ceil(p / n) rows like the parameter shard (``runtime.fsdp``):
+
+- a contribution Z of the padded full shape: the sp slice in its place and zeros elsewhere
+  (padding rows included);
+  a gradient every sp rank holds whole (norm weights, biases, or no sp at all) is
+  contributed by sp rank 0 alone. Summed over all ranks (dp x sp), the Z's are the clipped
+  sum of the whole physical batch, exactly once;
+- a reduce-scatter of Z over the fsdp group, then (hybrid sharding) an all-reduce over the
+  replica group: the fsdp group times the replica group is every rank, so each rank ends
+  with its shard of that sum. Replicas of a shard receive the same reduced values.
+
+Bytes per rank: the padded full parameter in fp32 (as FSDP's gradient reduce-scatter),
+plus the shard once more under hybrid sharding; independent of T.
+
+Assumes: ``clip`` ran (outputs ``(loss_sum, norms, *clipped sums)`` in
+``captured.param_names`` order). Guarantees: output i is the (c, ...) fp32 shard; padding
+rows are zero.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from .._torch import c10d
+from ._context import CP_SHARD_DIM, PassContext
+from ._graph import GraphBuilder, val
+
+aten = torch.ops.aten
+
+
+def scatter_clipped_sums(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Reduce-scatter clipped sums to the rank owning each shard (see the module docstring)."""
+    graph = gm.graph
+    output = graph.output_node()
+    loss_sum, norms, *sums = output.args[0]
+    b = GraphBuilder(graph, ctx.captured.fake_mode)
+    n = ctx.fsdp_size
+    shards = []
+    for name, clipped in zip(ctx.captured.param_names, sums):
+        full = val(ctx.captured.param_placeholder(name))
+        padded = (math.ceil(full.shape[0] / n) * n, *full.shape[1:])
+        dim = ctx.param_meta(name).get(CP_SHARD_DIM)
+        with graph.inserting_before(output):
+            z = _contribution(b, clipped, tuple(full.shape), padded, dim, ctx.sp_rank)
+            shard = b(c10d.wait_tensor.default, b(c10d.reduce_scatter_tensor.default, z, "sum", n, ctx.fsdp_group_name))
+            if ctx.fsdp_replica_group_name is not None:
+                shard = b(c10d.wait_tensor.default,
+                          b(c10d.all_reduce.default, shard, "sum", ctx.fsdp_replica_group_name))
+        shards.append(shard)
+    output.args = ((loss_sum, norms, *shards),)
+    graph.eliminate_dead_code()  # a replicated sum off sp rank 0 is not needed
+    gm.recompile()
+    return gm
+
+
+def _contribution(b, clipped: fx.Node, full: tuple, padded: tuple, dim: int | None, sp_rank: int) -> fx.Node:
+    """This rank's share of the padded full clipped sum (see the module docstring)."""
+    like = val(clipped)
+    if dim is None and sp_rank != 0:  # whole on every sp rank: counted once, by sp rank 0
+        return b(aten.zeros.default, list(padded), dtype=like.dtype, device=like.device)
+    whole = clipped
+    if dim is not None:  # this rank's sp slice in its place in the full (unpadded) shape, zeros around it
+        size = like.shape[dim]
+        zeros = b(aten.zeros.default, list(full), dtype=like.dtype, device=like.device)
+        whole = b(aten.slice_scatter.default, zeros, clipped, dim, sp_rank * size, (sp_rank + 1) * size)
+    missing = padded[0] - full[0]
+    return b(aten.constant_pad_nd.default, whole, [0, 0] * (len(full) - 1) + [0, missing]) if missing else whole

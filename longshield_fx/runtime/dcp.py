@@ -1,0 +1,44 @@
+"""Checkpoints of a training run with ``torch.distributed.checkpoint`` (DCP): the model, the
+optimizer and the engine's state, so a run saved on N ranks resumes on M ranks.
+
+Sharded parameters and optimizer states (``compile(..., fsdp=...)``) are saved as the
+DTensors they are, each rank writing its own shards; DCP re-shards them for the mesh of
+the run that loads them (``torch.distributed.checkpoint.state_dict`` gives and takes the
+model's and the optimizer's state in that form). Unsharded models are saved the same way.
+The engine's state (accountant, noise stream, and the sampler's if given) is one object,
+identical on every rank, written once.
+
+SECRET: the engine's state holds the noise key and the sampling key (``Engine.state_dict``).
+Store checkpoints like the private data.
+"""
+from __future__ import annotations
+
+import io
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+def save(path, engine, optimizer, sampler=None) -> None:
+    """Write ``engine``'s model, ``optimizer`` and engine state (and ``sampler``'s) to the
+    folder ``path``; every rank of the run calls it. Save between ``finalize`` and the next
+    ``accumulate``."""
+    model_state, optimizer_state = get_state_dict(engine.model, optimizer)
+    blob = io.BytesIO()
+    torch.save(engine.state_dict(sampler), blob)
+    dcp.save({"model": model_state, "optimizer": optimizer_state, "engine": blob.getvalue()},
+             checkpoint_id=str(path))
+
+
+def load(path, engine, optimizer, sampler=None, *, allow_rollback: bool = False) -> None:
+    """Restore what ``save`` wrote into ``engine``'s model, ``optimizer`` and the engine (and
+    ``sampler``), whatever the mesh and sharding of the run that saved it. Every rank calls
+    it, after ``compile`` and after building the optimizer over ``engine.model``'s parameters.
+    ``allow_rollback``: see ``Engine.load_state_dict``."""
+    model_state, optimizer_state = get_state_dict(engine.model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state, "engine": b""}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(engine.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    engine_state = torch.load(io.BytesIO(state["engine"]), weights_only=True)
+    engine.load_state_dict(engine_state, sampler, allow_rollback=allow_rollback)
