@@ -205,7 +205,7 @@ def _check_args(job: Job) -> None:
         raise CLIError("--device cuda: no CUDA device is available")
     check_model_flags(args)
     check_data_args(args)
-    if args.fsdp and (args.eval_data or args.eval_fraction):
+    if getattr(args, "fsdp", None) and (args.eval_data or args.eval_fraction):  # audit has no --fsdp
         raise CLIError("--fsdp with held-out evaluation (--eval-data/--eval-fraction) is not supported yet: "
                        "evaluation runs on rank 0 alone, which does not hold the whole model; evaluate the "
                        "written model afterwards, or train without --fsdp")

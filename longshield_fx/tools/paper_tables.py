@@ -206,10 +206,12 @@ capture times at the end). Every "ours" number is `longshield-fx plan`'s model o
   fake tensors at real Llama shapes; each node's live bytes fitted as a + b*T from captures at 256
   and 512 tokens per cp rank (exact for this graph: flash attention, no T x T tensor; checked at a
   third T in tests/tools/test_plan.py).
-- **model states**, not graph-derived, ZeRO-3/FSDP-sharded over all N GPUs in both layouts (N = 4, or
+- **model states**, not graph-derived, ZeRO-3-sharded over all N GPUs in both layouts (N = 4, or
   the 1 / ∞ of Table 2's columns; paper §2:
-  "each GPU holds a sharded model state O(M/N)"): bf16 parameter shard (2 B/param), fp32 gradient
-  (clipped-sum) accumulator (4 B/param), AdamW fp32 master + m + v (12 B/param), all / N; plus the
+  "each GPU holds a sharded model state O(M/N)"), as the engine shards them with `fsdp` (each
+  parameter's padded dim-0 shard, read off the model sharded on a fake process group): bf16
+  parameter shard (2 B/param), fp32 gradient (clipped-sum) accumulator (4 B/param), AdamW fp32
+  master + m + v (12 B/param), all / N; plus the
   FSDP all-gather working set: the two largest FSDP units (a block, the embedding, norm + head)
   unsharded in bf16.
 - **overhead**: {overhead:g} GiB fixed per GPU: {outside:g} GiB the allocator never gets (measured on an

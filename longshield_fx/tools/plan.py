@@ -4,17 +4,17 @@ For a (model, GPUs, GPU memory, cp, checkpointing, micro-batch, dtype) the plann
 training graph of ONE cp rank on fake tensors (real Llama shapes, no real memory, a fake
 process group for cp > 1), with every pass the engine runs, and adds up per GPU:
 
-- model states, sharded ZeRO-3 / FSDP style over ALL N GPUs (as longshield.md assumes:
-  "each GPU holds a sharded model state O(M/N)", and TorchTitan shards FSDP over the
-  dp x cp mesh, so cp ranks shard the states too; the engine holds them so when compiled
-  with ``fsdp=("dp", "cp")``, but this term is still the formula below, not read off that
-  layout's graph):
-    params     compute-dtype parameter shard             2 (bf16) or 4 (fp32) bytes / param / N
-    grads      fp32 accumulator of the clipped sums       4 bytes / param / N
-    optimizer  AdamW: fp32 master (bf16 only) + m + v    12 (bf16) or 8 (fp32) bytes / param / N
-    gathered   FSDP all-gather working set: the two largest FSDP units (a transformer block,
-               the embedding, the norm + output head), unsharded in the compute dtype
-               (the unit in use and the one prefetched);
+- model states, sharded ZeRO-3 over ALL N GPUs as ``compile(..., fsdp=<every mesh dim>)``
+  lays them out (as longshield.md assumes: "each GPU holds a sharded model state O(M/N)"; TorchTitan
+  shards FSDP over the dp x cp mesh too). The shard one GPU holds is read off the model
+  sharded by the engine's own code (``runtime.fsdp.Sharding``) on a fake process group of N
+  ranks: every parameter ``Shard(0)``, dim 0 padded to ceil(p/N) rows. With S its elements:
+    params     the compute-dtype copy of the shard the graph takes    2 (bf16) or 4 (fp32) bytes x S
+    grads      the fp32 clipped-sum accumulator shard                 4 bytes x S
+    optimizer  AdamW: the fp32 shard itself (bf16 only) + m + v       12 (bf16) or 8 (fp32) bytes x S
+    gathered   all-gather working set: the two largest FSDP units (a transformer block, the
+               embedding, the norm + output head), unsharded in the compute dtype (the unit
+               in use and the one prefetched); a formula, as the captured graph has no gathers;
 - activations + per-sample gradients: the liveness peak of the captured per-rank graph's
   intermediates (``longshield_fx.tools.memory.estimate_memory``) plus its batch inputs. This is
   where the per-sample gradients and their cp shards, the reduce-scatter inputs and
@@ -144,6 +144,40 @@ def fit_graph(spec: GraphSpec, cache_dir: Path | None = None, points: tuple[int,
 class ModelStats:
     params: int          # unique trainable parameters
     units: tuple         # parameter counts of the FSDP units, largest first
+    name: str = ""
+    overrides: tuple = ()
+
+    def shard_numel(self, gpus: int | float) -> float:
+        """Elements of the parameter shard one GPU holds when the engine shards the model over
+        ``gpus`` ranks (``compile(..., fsdp=...)``): each parameter's padded dim-0 shard,
+        read off the model sharded on a fake process group. 0 for ``math.inf``."""
+        if gpus == math.inf:
+            return 0.0
+        if gpus == 1:
+            return float(self.params)
+        return float(_shard_numel(self.name, self.overrides, int(gpus)))
+
+
+_SHARDS: dict[tuple, int] = {}
+
+
+def _shard_numel(name: str, overrides: tuple, gpus: int) -> int:
+    key = (name, overrides, gpus)
+    if key not in _SHARDS:
+        import longshield_fx as lf
+        from longshield_fx.models import Llama
+        from longshield_fx.runtime.fsdp import Sharding
+
+        from .._torch import FakeTensorMode
+        from .plan_graphs import _world
+
+        with FakeTensorMode():
+            model = lf.CausalLMLoss(Llama.from_name(name, **dict(overrides)))
+        with _world(1, dp=gpus) as mesh:
+            sharding = Sharding(mesh, tuple(mesh.mesh_dim_names))
+            sharding.shard_model(model)
+            _SHARDS[key] = sum(sharding.local(p).numel() for p in model.parameters())
+    return _SHARDS[key]
 
 
 def model_stats(name: str, overrides: tuple = ()) -> ModelStats:
@@ -158,7 +192,7 @@ def model_stats(name: str, overrides: tuple = ()) -> ModelStats:
     units.append(lm.tok_embeddings.weight.numel())
     head = lm.norm.weight.numel() + (0 if lm.cfg.tie_embeddings else lm.lm_head.weight.numel())
     units.append(head)
-    return ModelStats(params, tuple(sorted(units, reverse=True)))
+    return ModelStats(params, tuple(sorted(units, reverse=True)), name, tuple(overrides))
 
 
 @dataclass
@@ -186,10 +220,10 @@ class Breakdown:
 def state_bytes(stats: ModelStats, gpus: int | float, dtype: str) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, gathered) bytes per GPU; ``gpus`` may be ``math.inf``."""
     width = 2 if dtype == "bf16" else 4
-    P = stats.params
-    params = width * P / gpus
-    grads = 4 * P / gpus
-    optimizer = (12 if dtype == "bf16" else 8) * P / gpus
+    S = stats.shard_numel(gpus)
+    params = width * S
+    grads = 4 * S
+    optimizer = (12 if dtype == "bf16" else 8) * S
     gathered = width * sum(stats.units[:2]) if gpus > 1 else 0.0  # one GPU: nothing to gather
     return params, grads, optimizer, gathered
 
@@ -304,8 +338,10 @@ def format_plan(plans: list[LayoutPlan], *, header: str) -> str:
     lines += [
         "",
         "GiB per GPU at the longest power-of-two T that fits (for OOM: at the smallest T tried).",
-        f"model states: ZeRO-3/FSDP-sharded over all {first.gpus:g} GPUs ({first.stats.params / 1e9:.2f}B "
-        f"parameters): params = {first.spec.dtype} shard, grads = fp32 clipped-sum accumulator shard, "
+        f"model states: ZeRO-3 over all {first.gpus:g} GPUs as compile(mesh, fsdp=<every mesh dim>) shards them "
+        f"({first.stats.params / 1e9:.2f}B parameters, each Shard(0) with dim 0 padded to ceil(p/N) rows, shard "
+        "sizes read off the model sharded on a fake process group): "
+        f"params = {first.spec.dtype} shard, grads = fp32 clipped-sum accumulator shard, "
         "optimizer = AdamW m + v" + (" + fp32 master" if first.spec.dtype == "bf16" else "") +
         "; gathered = the two largest FSDP units unsharded (in use + prefetched).",
         "graph = liveness peak of the captured per-rank training graph (activations, per-sample gradients "

@@ -88,9 +88,9 @@ def _default_dtype(dtype: torch.dtype):
 
 
 @contextlib.contextmanager
-def _world(cp: int, hp: int = 1):
-    """No mesh for cp = hp = 1; else a one-process fake process group of cp x hp ranks (rank 0's view)."""
-    if cp * hp == 1:
+def _world(cp: int, hp: int = 1, dp: int = 1):
+    """No mesh for one rank; else a one-process fake process group of dp x cp x hp ranks (rank 0's view)."""
+    if dp * cp * hp == 1:
         yield None
         return
     import torch.distributed as dist
@@ -100,7 +100,7 @@ def _world(cp: int, hp: int = 1):
     if dist.is_initialized():
         raise RuntimeError("plan: torch.distributed is already initialised in this process; the planner "
                            "needs its own fake process group (run it in a fresh process)")
-    with fake_world(cp, hp=hp) as mesh:
+    with fake_world(cp, dp=dp, hp=hp) as mesh:
         yield mesh
 
 

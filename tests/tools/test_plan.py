@@ -91,6 +91,23 @@ def test_memory_grows_with_T_and_shrinks_with_gpus(small_captures):
     assert P.LayoutPlan("x", spec, fit, 4, 1e-6 * P.GiB, 0.0, stats).solve().max_T is None
 
 
+def test_model_states_are_the_shards_the_engine_holds():
+    """The planner's state term is read off the model sharded as ``compile(..., fsdp=...)`` shards
+    it: on 3 GPUs, which divide none of "small"'s widths, every parameter's dim 0 is padded to
+    ceil(p/3) rows, and the accumulator, the compute copy and AdamW scale with that shard."""
+    import torch
+    from longshield_fx.models import Llama
+
+    with torch.device("meta"):
+        lm = Llama.from_name("small")
+    padded = sum(math.ceil(p.shape[0] / 3) * math.prod(p.shape[1:]) for p in lm.parameters())
+    stats = P.model_stats("small")
+    assert stats.shard_numel(3) == padded > stats.params / 3
+    params, grads, optimizer, _ = P.state_bytes(stats, 3, "bf16")
+    assert (params, grads, optimizer) == (2 * padded, 4 * padded, 12 * padded)
+    assert stats.shard_numel(1) == stats.params and stats.shard_numel(math.inf) == 0
+
+
 def test_model_stats_match_llama_parameter_counts():
     assert P.model_stats("llama3.2-1b").params == pytest.approx(1.236e9, rel=0.01)
     assert P.model_stats("llama3.2-3b").params == pytest.approx(3.213e9, rel=0.01)
@@ -193,4 +210,5 @@ def test_main_prints_the_plan(plans_4x80, capsys):
     for column in ("params", "grads", "optimizer", "gathered", "graph", "overhead", "total"):
         assert column in out
     assert "at T = 65536" in out
+    assert "ZeRO-3 over all 4 GPUs as compile(mesh, fsdp=<every mesh dim>) shards them" in out  # the layout planned
     assert math.isfinite(block.at_max.total)
