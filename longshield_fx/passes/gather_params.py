@@ -58,11 +58,14 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             gathered = _gather(graph, ph, full, rows * n, n, ctx.fsdp_group_name, fake_mode)
         for reader in readers:
             reader.replace_input_with(ph, gathered[-1])
+        only_backward = all(is_backward(r) for r in readers)  # e.g. zeros_like of a parameter the loss never reaches
+        for node in gathered:
+            node.meta["partitioner_tag"] = "is_backward" if only_backward else "is_forward"
+        if only_backward:
+            continue
         derived = _derived(gathered)
         regions = {region_of(u) for node in derived for u in node.users if u not in derived and not is_backward(u)}
         block = regions.pop() if len(regions) == 1 and None not in regions else None
-        for node in gathered:
-            node.meta["partitioner_tag"] = "is_forward"
         if ctx.checkpoint is not None and block is not None:
             # checkpoint recomputes the gather (and the views of it) with the block
             for node in gathered:

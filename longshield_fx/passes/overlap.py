@@ -150,7 +150,7 @@ def _first_reader(gather: fx.Node, key: dict) -> fx.Node:
                 frontier.append(user)
             else:
                 readers.append(user)
-    return min(readers, key=key.__getitem__)
+    return min(readers, key=key.__getitem__) if readers else gather
 
 
 def _wait_of(issue: fx.Node) -> fx.Node:
