@@ -179,6 +179,18 @@ def _slice_variation(node):
     return out
 
 
+@_variation_rule(aten.constant_pad_nd.default)
+def _pad_variation(node):
+    """A padded dim differs between the pad and the content (SDPA pads the mask of CUDA's
+    memory-efficient attention to 16 columns); the others keep their variation."""
+    out, shape, pad = dict(varies(node.args[0])), val(node).shape, node.args[1]
+    for i in range(len(pad) // 2):
+        d = len(shape) - 1 - i
+        if (pad[2 * i] or pad[2 * i + 1]) and shape[d] > 1:
+            out[d] = Variation(shape[d], out[d].origin if d in out else _describe(node))
+    return out
+
+
 @_variation_rule(aten.select.int)
 def _select_variation(node):
     dim = norm_dim(node.args[1], val(node.args[0]).dim())

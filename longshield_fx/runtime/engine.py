@@ -317,8 +317,8 @@ class Engine:
             p = params[name]
             if self.sharding is not None:
                 p.grad = self.sharding.to_param_grad(total / batch.expected_size, p)
-            else:
-                p.grad = (total / batch.expected_size).to(device=p.device, dtype=p.dtype)
+            else:  # in place: the accumulator becomes the gradient, not a second copy of it
+                p.grad = total.div_(batch.expected_size).to(device=p.device, dtype=p.dtype)
         self._accum = None
         self._accumulated = 0
         self.accountant.step(self.config.noise_multiplier, batch.sample_rate)

@@ -139,6 +139,11 @@ def test_loss_weighted_by_a_running_count_over_the_batch_is_rejected():
     assert "op aten.mul.Tensor" in msg and "made by aten.cumsum.default" in msg
 
 
+def test_padding_along_the_batch_is_a_row_position():
+    msg = refusal(lambda z: z.pow(2).sum(1) * F.pad(torch.ones(z.shape[0] - 1), (0, 1)))  # the last row is 0
+    assert "op aten.mul.Tensor" in msg and "made by aten.constant_pad_nd.default" in msg
+
+
 def test_per_row_constant_tensor_is_rejected():
     msg = refusal(lambda z: z.pow(2).sum(1) * torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert "op aten.mul.Tensor" in msg and "tensor constant" in msg
@@ -188,7 +193,9 @@ def test_per_sample_weights_folded_with_tokens_must_be_constant_per_sample():
     lambda z: (z * torch.linspace(0.0, 1.0, 6)).pow(2).sum(1),  # (6,): varies along features only
     lambda z: (z * torch.arange(6.0)[None].expand(z.shape[0], 6)).pow(2).sum(1),  # (1, 6) expanded over B
     lambda z: z.flip(1).roll(2, 1).pow(2).sum(1),  # moves entries within each sample
-], ids=["scalar", "ones_B", "per_feature", "expanded_over_B", "flip_roll_features"])
+    # CUDA's memory-efficient attention pads its (B, 1, T, T) mask to 16 columns and slices it.
+    lambda z: (z * F.pad(torch.arange(6.0)[None].expand(z.shape[0], 6), (0, 10))[:, :6]).pow(2).sum(1),
+], ids=["scalar", "ones_B", "per_feature", "expanded_over_B", "flip_roll_features", "padded_mask"])
 def test_constants_uniform_over_the_batch_are_accepted(fn):
     assert_matches_vmap(Weighted(fn), (torch.randn(4, 4),))
 
