@@ -127,7 +127,12 @@ def _reaching_outputs(graph: fx.Graph) -> set[fx.Node]:
 
 
 class Mixing(Exception):
-    """Raised by a rule whose op combines rows of different samples."""
+    """Raised by a rule whose op combines rows of different samples; ``way_out`` replaces the
+    generic advice where the op tells what the model was doing (a batch norm, an MoE count)."""
+
+    def __init__(self, why: str, way_out: str | None = None):
+        super().__init__(why)
+        self.way_out = way_out
 
 
 class RowPosition(Exception):
@@ -153,8 +158,8 @@ def _tag(node: fx.Node, B: int):
             return None  # a weight-gradient reduction; the per_sample pass rewrites it
         raise UnsupportedModelError(
             f"op {node.target} (node {node.name}) in {module_of(node)} mixes samples: {e}. "
-            "DP-SGD needs each sample's loss to depend on that sample only; remove the op "
-            "(e.g. replace BatchNorm with LayerNorm/GroupNorm, compute pairwise losses within a sample).")
+            "DP-SGD needs each sample's loss to depend on that sample only. Way out: "
+            f"{e.way_out or 'remove the op (e.g. compute pairwise losses within a sample)'}.")
     except RowPosition as e:
         raise _row_position_error(node, str(e)) from None
     for x, dim, inner in _aligned_for(node.target)(node, tag, B):
@@ -229,13 +234,20 @@ def register_batch_rule(*ops, aligned=None, outer=False):
     return deco
 
 
+_BATCH_NORM = ("batch norm normalises with statistics over the batch",
+               "replace BatchNorm with LayerNorm or GroupNorm")
+# A count over the whole batch is, in a language model, almost always an MoE router's
+# load-balancing loss (tokens routed to each expert across the batch).
+_COUNT_WAY_OUT = ("if it is an MoE load-balancing loss, train without it (longshield_fx.CausalLMLoss "
+                  "does; the router still learns through the routing weights) or compute it from each "
+                  "sample's own tokens and add it to that sample's loss")
 _MIXING = {
-    aten._native_batch_norm_legit.default: "batch norm normalises with statistics over the batch",
-    aten._native_batch_norm_legit_functional.default: "batch norm normalises with statistics over the batch",
-    aten._native_batch_norm_legit_no_training.default: "batch norm uses batch statistics",
-    aten.native_batch_norm.default: "batch norm normalises with statistics over the batch",
-    aten.histc.default: "a histogram counts the entries of every sample together",
-    aten.bincount.default: "counts the entries of every sample together",
+    aten._native_batch_norm_legit.default: _BATCH_NORM,
+    aten._native_batch_norm_legit_functional.default: _BATCH_NORM,
+    aten._native_batch_norm_legit_no_training.default: ("batch norm uses batch statistics", _BATCH_NORM[1]),
+    aten.native_batch_norm.default: _BATCH_NORM,
+    aten.histc.default: ("a histogram counts the entries of every sample together", _COUNT_WAY_OUT),
+    aten.bincount.default: ("counts the entries of every sample together", _COUNT_WAY_OUT),
 }
 
 
@@ -243,8 +255,8 @@ def _rule_for(op):
     if op in _RULES:
         return _RULES[op]
     if op in _MIXING:
-        def mixing(node, B, why=_MIXING[op]):
-            raise Mixing(why)
+        def mixing(node, B, reason=_MIXING[op]):
+            raise Mixing(*reason)
         return mixing
     if is_pointwise(op):
         return pointwise_rule

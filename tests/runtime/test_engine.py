@@ -11,7 +11,7 @@ import longshield_fx as lf
 from longshield_fx.runtime.accounting import epsilon_for
 
 from longshield_fx.data import PoissonBatches
-from oracles import MLP, assert_matches_vmap, logical, mlp_batch, tiny_llama, vmap_per_sample_grads
+from oracles import MLP, assert_matches_vmap, logical, mlp_batch, tiny_llama, token_batch, vmap_per_sample_grads
 
 
 class Constant(nn.Module):
@@ -306,6 +306,11 @@ CHANGES = {  # name -> (change, what the recapture's log line names)
     "attribute": (lambda m: setattr(m, "scale", 3.0), "scale: 1.0 -> 3.0"),
     "frozen": (lambda m: m.fc1.bias.requires_grad_(False), "parameter fc1.bias: requires_grad True -> False"),
     "container": (lambda m: m.options.update(shift=0.5), "options['shift']"),
+    "replaced": (lambda m: setattr(m.fc2, "weight", nn.Parameter(torch.randn(3, 8))),
+                 "parameter fc2.weight: replaced by another tensor"),
+    "resized": (lambda m: [setattr(m.fc1.weight, "data", torch.randn(5, 6)), setattr(m.fc1.bias, "data", torch.randn(5)),
+                           setattr(m.fc2.weight, "data", torch.randn(3, 5))],
+                "parameter fc1.weight: shape (8, 6) -> (5, 6)"),
 }
 
 
@@ -323,7 +328,19 @@ def test_a_model_change_recaptures_and_matches_the_oracle(change, caplog):
     assert engine.captures == 2
     assert named in caplog.text
     # The change matters: the graph captured before it would give other gradients.
-    assert set(after) != set(before) or not torch.allclose(after["fc2.weight"], before["fc2.weight"])
+    a, b = after["fc2.weight"], before["fc2.weight"]
+    assert set(after) != set(before) or a.shape != b.shape or not torch.allclose(a, b)
+
+
+def test_a_dtype_change_recaptures_and_matches_the_oracle(caplog):
+    model, batch = tiny_llama(), token_batch(B=2, T=8)
+    engine = lf.compile(model)
+    engine.per_sample_grads(*batch)
+    model.double()  # keeps each parameter's identity, changes its dtype; the token ids stay as they are
+    with caplog.at_level(logging.INFO, logger="longshield_fx.runtime.engine"):
+        grads = assert_matches_vmap(model, batch, engine.per_sample_grads(*batch))
+    assert engine.captures == 2 and "dtype torch.float32 -> torch.float64" in caplog.text
+    assert all(g.dtype == torch.float64 for g in grads.values())
 
 
 def test_a_change_inside_a_logical_batch_is_refused():
