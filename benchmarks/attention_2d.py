@@ -4,13 +4,20 @@
    torchrun, 4 gloo ranks on this CPU, T=8192, B=1, one DP step (accumulate + finalize) per
    layout: (hp, cp) = (1, 4), (2, 2), (4, 1) and the double ring cp=4, w=2. Each rank builds
    every engine and the layouts alternate step by step, so drift hits all alike; medians.
-2. Modelled (``longshield_fx.tools.cost_model.attention_time``, LoongTrain section 4.5): the
-   same layouts on this CPU ("CPU-gloo"), to compare the model's ordering with the
-   measurement; then one Llama-3.1-8B attention layer (H=32, Hkv=8, head dim 128, bf16) at
-   T=8k and 32k on 4 x H100 over NVLink and on 2 nodes x 4 H100 over InfiniBand: the
-   fastest (hp, cp, w, placement) that ``search_attention`` finds, and the plain ring.
+2. Modelled (``longshield_fx.tools.cost_model.attention_time``, LoongTrain section 4.5), one
+   attention layer, forward + backward, per rank:
+   - the benchmark's four layouts on this CPU ("CPU-gloo", fp32), to compare the model's
+     ordering with the measurement;
+   - the same four layouts on 4 x H100 over NVLink, and their 8-GPU counterparts (ring cp=8,
+     hp=2 x cp=4, hp=4 x cp=2, Ulysses hp=8, double ring cp=8 w=4) on 2 nodes x 4 H100 over
+     InfiniBand, head-first as the benchmark's mesh ("cp", "hp") places them, bf16, for the
+     benchmark's model at its T and for Llama-3.1-8B (H=32, Hkv=8, head dim 128) at 8k and 32k;
+   - for Llama-3.1-8B, the fastest layouts ``search_attention`` finds among every (hp, cp, w,
+     placement) on 4, 8 (2 nodes) and 32 (8 nodes) H100s, and the plain ring.
 
-    python benchmarks/attention_2d.py [--seq-len 8192] [--repeats 3]
+    python benchmarks/attention_2d.py [--seq-len 8192] [--repeats 3] [--predict-only]
+
+``--predict-only`` prints the modelled part alone (no torchrun, seconds).
 """
 from __future__ import annotations
 
@@ -72,31 +79,73 @@ def worker(T: int, repeats: int):
     dist.destroy_process_group()
 
 
-def modelled(T: int) -> list[str]:
-    from longshield_fx.models import CONFIGS
-    from longshield_fx.tools.cost_model import HARDWARE, SequenceLayout, attention_time, search_attention
+# The benchmark's layouts as run on 4 ranks, and the same splits of 8 GPUs on 2 nodes x 4
+# (name -> (hp, cp, inner ring)); Ulysses hp=4 has two counterparts: hp=4 x cp=2 and hp=8.
+EIGHT_GPU_LAYOUTS = {
+    "ring cp=4": [("ring cp=8", (1, 8, None))],
+    "2D hp=2 x cp=2": [("2D hp=2 x cp=4", (2, 4, None))],
+    "Ulysses hp=4": [("2D hp=4 x cp=2", (4, 2, None)), ("Ulysses hp=8", (8, 1, None))],
+    "double ring cp=4, w=2": [("double ring cp=8, w=4", (1, 8, 4))],
+}
+CLUSTERS = (("4 x H100, NVLink", "H100-NVLink", 4), ("2 nodes x 4 H100, IB", "2x4-H100-IB", 8),
+            ("8 nodes x 4 H100, IB", "8x4-H100-IB", 32))
 
-    small = CONFIGS["small"]
-    cpu = HARDWARE["CPU-gloo"]
+
+def _shape(model: str) -> dict:
+    from longshield_fx.models import CONFIGS
+
+    cfg = CONFIGS[model]
+    return dict(heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.dim // cfg.n_heads)
+
+
+def _cost(hw_name: str, hp: int, cp: int, inner, model: str, T: int, elem_bytes: int = 2):
+    from longshield_fx.tools.cost_model import HARDWARE, SequenceLayout, attention_time
+
+    # head-first: the benchmark's mesh ("cp", "hp") puts an hp group on adjacent ranks
+    return attention_time(HARDWARE[hw_name], SequenceLayout(hp, cp, inner or 0), batch=1, seq_len=T,
+                          elem_bytes=elem_bytes, **_shape(model))
+
+
+def _ms(cost) -> str:
+    return f"{cost.total * 1e3:.3f} ({cost.all_to_all * 1e3:.3f})"
+
+
+def modelled(T: int) -> list[str]:
+    from longshield_fx.tools.cost_model import HARDWARE, search_attention
+    from longshield_fx.tools.plan import tokens
+
     lines = [f"Modelled on CPU-gloo, reference Llama small, one attention layer, T={T}, B=1, fp32:", "",
              "| layout | attention + hops (ms) | all-to-all (ms) | total (ms) |", "|---|---|---|---|"]
     for name, (hp, cp, inner) in LAYOUTS.items():
-        c = attention_time(cpu, SequenceLayout(hp, cp, inner or 0), batch=1, seq_len=T, heads=small.n_heads,
-                           kv_heads=small.n_kv_heads, head_dim=small.dim // small.n_heads, elem_bytes=4)
+        c = _cost("CPU-gloo", hp, cp, inner, "small", T, elem_bytes=4)
         lines.append(f"| {name} | {c.ring * 1e3:.1f} | {c.all_to_all * 1e3:.1f} | {c.total * 1e3:.1f} |")
-    big = CONFIGS["llama3.1-8b"]
-    lines += ["", "Modelled, one Llama-3.1-8B attention layer (fwd + bwd), B=1, bf16: the five fastest layouts "
-              "`search_attention` finds, and the plain ring:", "",
-              "| cluster | T | layout | compute (ms) | ring incl. hops (ms) | all-to-all (ms) | total (ms) |",
-              "|---|---|---|---|---|---|---|"]
-    for hw_name, gpus in (("H100-NVLink", 4), ("2x4-H100-IB", 8)):
+
+    lines += ["", "Modelled on GPUs, the benchmark's layouts: one attention layer (fwd + bwd) per rank, B=1, bf16, "
+              "head-first; ms per layer, all-to-all ms in brackets. 4 x H100 over NVLink runs the four layouts "
+              "measured above; 2 nodes x 4 H100 over InfiniBand runs the same splits of 8 GPUs:", "",
+              "| model | T | layout, 4 x H100 NVLink | ms (all-to-all) | layout, 2 nodes x 4 H100 IB | ms (all-to-all) |",
+              "|---|---|---|---|---|---|"]
+    for model, T_model in (("small", T), ("llama3.1-8b", 8192), ("llama3.1-8b", 32768)):
+        for name, (hp, cp, inner) in LAYOUTS.items():
+            four = _cost("H100-NVLink", hp, cp, inner, model, T_model)
+            eight = [(name8, _cost("2x4-H100-IB", *layout, model, T_model)) for name8, layout in EIGHT_GPU_LAYOUTS[name]]
+            lines.append(f"| {model} | {tokens(T_model)} | {name} | {_ms(four)} | "
+                         f"{' / '.join(n for n, _ in eight)} | {' / '.join(_ms(c) for _, c in eight)} |")
+
+    lines += ["", "Modelled, Llama-3.1-8B, one attention layer (fwd + bwd), B=1, bf16: the fastest of every "
+              "(hp, cp, w, placement) `search_attention` ranks (ties: the simplest, and how many others tie), the "
+              "fastest slower one, and the plain ring:", "",
+              "| cluster | T | fastest layout (ms) | runner-up (ms) | plain ring (ms) |", "|---|---|---|---|---|"]
+    for label, hw_name, gpus in CLUSTERS:
         for T_big in (8192, 32768):
-            costs = search_attention(HARDWARE[hw_name], gpus, batch=1, seq_len=T_big, heads=big.n_heads,
-                                     kv_heads=big.n_kv_heads, head_dim=big.dim // big.n_heads)
+            costs = search_attention(HARDWARE[hw_name], gpus, batch=1, seq_len=T_big, **_shape("llama3.1-8b"))
             ring = next(c for c in costs if c.layout.hp == 1 and c.layout.w == gpus)
-            for c in costs[:5] + ([ring] if ring not in costs[:5] else []):
-                lines.append(f"| {gpus} x {hw_name} | {T_big // 1024}k | {c.layout.label()} | {c.compute * 1e3:.2f} | "
-                             f"{c.ring * 1e3:.2f} | {c.all_to_all * 1e3:.2f} | {c.total * 1e3:.2f} |")
+            best = costs[0]
+            ties = [c for c in costs[1:] if round(c.total, 12) == round(best.total, 12)]
+            second = costs[1 + len(ties)]
+            tied = f", {len(ties)} more tie" if ties else ""
+            lines.append(f"| {label} | {tokens(T_big)} | {best.layout.label()} ({best.total * 1e3:.2f}{tied}) | "
+                         f"{second.layout.label()} ({second.total * 1e3:.2f}) | {ring.total * 1e3:.2f} |")
     return lines
 
 
@@ -104,10 +153,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--predict-only", action="store_true",
+                        help="print the cost model's predictions only (no torchrun run)")
     parser.add_argument("--worker", action="store_true")
     args = parser.parse_args()
     if args.worker:
         return worker(args.seq_len, args.repeats)
+    if args.predict_only:
+        print("\n".join(modelled(args.seq_len)))
+        return 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", __file__,
            "--worker", "--seq-len", str(args.seq_len), "--repeats", str(args.repeats)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))

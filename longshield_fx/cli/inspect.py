@@ -24,10 +24,11 @@ DESCRIPTION = (
     "installed), and the whole graph's code, to --out.\n\n"
     "--cp N > 1 outside torchrun uses a fake process group of N ranks in this one process\n"
     "(shapes and collectives are real, nothing is sent).")
-HARDWARE = ["H100-NVLink", "H100-IB", "2x4-H100-IB", "CPU-gloo"]
 
 
 def add_parser(sub) -> None:
+    from ..tools.cost_model import HARDWARE
+
     i = sub.add_parser("inspect", formatter_class=Formatter, description=DESCRIPTION,
                        help="show what the passes did to the training graph; draw one block")
     add_model_args(i, seq_len_default=256)
@@ -41,7 +42,7 @@ def add_parser(sub) -> None:
                    help="head-parallel degree (2D attention over hp x cp ranks; fake process group only)")
     i.add_argument("--inner-ring", type=positive_int, default=None, metavar="W",
                    help="double-ring attention: inner rings of W cp ranks (default: one ring)")
-    i.add_argument("--timeline", choices=HARDWARE, nargs="?", const="H100-NVLink", default=None,
+    i.add_argument("--timeline", choices=list(HARDWARE), nargs="?", const="H100-NVLink", default=None,
                    help="draw the cost-model compute/communication timeline for this hardware to timeline.png in "
                    "--out and print the exposed communication (default: none; the flag alone: H100-NVLink)")
 

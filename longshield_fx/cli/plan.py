@@ -12,6 +12,7 @@ from .common import CLIError, Formatter, nonneg_float, positive_float, positive_
 
 
 def add_parser(sub) -> None:
+    from ..tools.cost_model import HARDWARE
     from ..tools.plan import DEFAULT_OVERHEAD_GIB, DTYPES, MODELS
     from ..tools.plan_graphs import default_cache_dir
 
@@ -31,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--hp", type=positive_int, default=1,
                    help="head-parallel degree: 2D attention over hp x cp ranks (LoongTrain)")
     p.add_argument("--search-attention", metavar="CLUSTER", default=None,
-                   choices=["H100-NVLink", "H100-IB", "2x4-H100-IB", "CPU-gloo"],
+                   choices=list(HARDWARE),
                    help="also rank every (hp, cp, inner ring w, placement) of --gpus sequence-parallel ranks by the "
                         "cost model's attention time on CLUSTER, at --seq-len or the DP layout's longest T "
                         "(default: none)")

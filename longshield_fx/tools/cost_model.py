@@ -24,7 +24,9 @@ Hardware parameters (per rank):
 - "H100-IB": same GPU, 400 Gb/s NDR InfiniBand per GPU = 50 GB/s (ConnectX-7 datasheet),
   20 µs latency.
 - "2x4-H100-IB": two nodes of 4 such GPUs: NVLink inside a node, InfiniBand (one NIC per GPU)
-  between the nodes.
+  between the nodes. "8x4-H100-IB": eight such nodes. A ``Hardware`` knows only the GPUs per
+  node: the layout's rank count decides how many nodes a model spans, so the two entries are
+  the same link model under the names of the clusters they are used for (8 and 32 GPUs).
 - "CPU-gloo": this project's 2-core dev machine with one thread per rank, measured with
   ``benchmarks/overlap.py --calibrate`` on 2026-11-22: ~20 GFLOP/s fp32 matmul per rank,
   ~5 GB/s memory traffic, gloo over loopback TCP ~1 GB/s, ~100 µs per collective.
@@ -66,6 +68,7 @@ HARDWARE = {
     "H100-NVLink": Hardware("H100-NVLink", 989e12 * 0.5, 3.35e12, 450e9, 10e-6),
     "H100-IB": Hardware("H100-IB", 989e12 * 0.5, 3.35e12, 50e9, 20e-6),
     "2x4-H100-IB": Hardware("2x4-H100-IB", 989e12 * 0.5, 3.35e12, 450e9, 10e-6, 4, 50e9, 20e-6),
+    "8x4-H100-IB": Hardware("8x4-H100-IB", 989e12 * 0.5, 3.35e12, 450e9, 10e-6, 4, 50e9, 20e-6),
     "CPU-gloo": Hardware("CPU-gloo", 20e9, 5e9, 1e9, 100e-6),
 }
 
@@ -295,21 +298,37 @@ def comm_time(node: fx.Node, hw: Hardware, link: tuple[float, float] | None = No
 
 def _ring_op_time(node: fx.Node, hw: Hardware, layout: SequenceLayout, flops: int) -> float:
     k = val(node.args[2] if node.target == torch.ops.longshield.ring_attention_backward.default else node.args[1])
-    hop = 2 * nbytes(k)  # K and V
+    hop = 2 * k.numel() * k.element_size()  # K and V (``nbytes`` takes a node, k is its value)
     if node.target == torch.ops.longshield.ring_attention_backward.default:
         hop += 2 * 4 * k.numel()  # the fp32 dK/dV accumulators travel too
     return ring_time(hw, layout, flops / layout.cp / hw.flops, hop)
 
 
+def graph_layout(gm: fx.GraphModule) -> SequenceLayout:
+    """The sequence-parallel layout a graph was built for, read off its nodes: cp and the inner
+    ring w from the ring ops' arguments, hp from the all-to-alls' split count; head-first
+    (the mesh ("cp", "hp"), as ``fake_world`` and the CLI build it: the graph does not record
+    the placement)."""
+    ring_ops = (torch.ops.longshield.ring_attention.default, torch.ops.longshield.ring_attention_backward.default)
+    cp, inner, hp = 1, 0, 1
+    for n in gm.graph.nodes:
+        if n.target in ring_ops:
+            first = 8 if n.target == ring_ops[1] else 5  # cp, then the optional inner ring size
+            cp = max(cp, n.args[first])
+            inner = max(inner, n.args[first + 1] if len(n.args) > first + 1 else 0)
+        elif n.target == c10d.all_to_all_single.default:
+            hp = max(hp, len(n.args[1]))
+    return SequenceLayout(hp, cp, inner)
+
+
 def simulate(gm: fx.GraphModule, hw: Hardware, layout: SequenceLayout | None = None) -> Timeline:
     """Run the graph's node order on two lanes. ``layout``: where the sequence-parallel ranks
-    sit (default: hp=1, cp read off the ring ops, head-first), which picks each collective's
-    and ring hop's link; without ``hw.gpus_per_node`` every link is the same."""
+    sit (default: ``graph_layout(gm)``, read off the graph, head-first), which picks each
+    collective's and ring hop's link; without ``hw.gpus_per_node`` every link is the same."""
     flops = node_flops(gm)
     ring_ops = (torch.ops.longshield.ring_attention.default, torch.ops.longshield.ring_attention_backward.default)
     if layout is None:
-        cps = [n.args[8 if n.target == ring_ops[1] else 5] for n in gm.graph.nodes if n.target in ring_ops]
-        layout = SequenceLayout(1, max(cps, default=1))
+        layout = graph_layout(gm)
     sp = layout.hp * layout.cp
     tl = Timeline()
     now = comm_free = 0.0

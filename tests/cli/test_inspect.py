@@ -140,3 +140,59 @@ def test_inspect_cp2_on_a_fake_process_group_lists_collectives(tmp_path):
     assert totals["reduce_scatter"] > 0 and totals["ring_attention"] > 0
     assert per_node == {k: v for k, v in totals.items() if v}  # the list adds up to communication_bytes()
     assert (tmp_path / "insp" / "block_layers.0.dot").stat().st_size > 0
+
+
+def _timeline_ms(text: str, hardware: str) -> tuple[str, str, str]:
+    """(step, communication, exposed) as inspect printed them, in ms."""
+    m = re.search(rf"timeline \({hardware}, cost model\): step ([\d.]+) ms, communication ([\d.]+) ms of which "
+                  r"exposed ([\d.]+) ms", text)
+    assert m, text[-2000:]
+    return m.groups()
+
+
+def _simulated_ms(mesh, layout, hardware: str, **compile_kw) -> tuple[str, str, str]:
+    """The same tiny model and batch as inspect's, lowered here, on the cost model with ``layout``."""
+    from longshield_fx.tools.cost_model import HARDWARE, simulate
+
+    engine = lf.compile(_model(), mesh, config=lf.DPConfig(1.0, 1.0), **compile_kw)
+    ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    tl = simulate(engine.lower(ids, ids).gm, HARDWARE[hardware], layout)
+    return f"{tl.total * 1e3:.3f}", f"{tl.comm * 1e3:.3f}", f"{tl.exposed_comm * 1e3:.3f}"
+
+
+def test_inspect_2d_attention_on_two_nodes_shows_all_to_alls_and_their_timeline(tmp_path, fake_world):
+    """--cp 2 --hp 2 on a fake process group of 4 ranks: per layer four all-to-alls forward and
+    four backward listed with their bytes, adding up to communication_bytes(); the timeline on
+    2 nodes x 4 GPUs is the cost model's for the hp=2 x cp=2 head-first layout."""
+    from longshield_fx.tools.cost_model import SequenceLayout
+
+    out = run_inspect("--cp", 2, "--hp", 2, "-T", T, "--out", tmp_path, "--timeline", "2x4-H100-IB")
+    assert "cp=2 x hp=2 (fake process group, one process)" in out
+    layers = Llama.from_name("tiny").cfg.n_layers
+    rows = re.findall(r"^  \S+ +(\w+) +\S+ +([\d,]+) B$", out, flags=re.MULTILINE)
+    a2a = [int(n.replace(",", "")) for op, n in rows if op == "all_to_all_single"]
+    assert len(a2a) == 8 * layers and all(n > 0 for n in a2a)
+    totals = {k: int(v.replace(",", "")) for k, v in re.findall(r"(\w+) ([\d,]+) B \(", out)}
+    assert sum(a2a) == totals["all_to_all"] and totals["ring_attention"] > 0
+    with fake_world(2, hp=2) as mesh:
+        expected = _simulated_ms(mesh, SequenceLayout(2, 2), "2x4-H100-IB")
+    assert _timeline_ms(out, "2x4-H100-IB") == expected
+    assert float(expected[1]) > 0  # the all-to-alls and the rest take time on the communication lane
+    assert (tmp_path / "timeline.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_inspect_double_ring_passes_its_inner_ring_to_the_graph_and_the_timeline(tmp_path, fake_world):
+    """--cp 4 --inner-ring 2: the header says so, the ring ops carry w=2, and the timeline is the
+    cost model's for the double ring (cp=4 in inner rings of 2)."""
+    from longshield_fx.tools.cost_model import SequenceLayout
+
+    out = run_inspect("--cp", 4, "--inner-ring", 2, "-T", T, "--out", tmp_path, "--timeline", "H100-IB")
+    assert "cp=4, inner ring 2 (fake process group, one process)" in out
+    code = (tmp_path / "training_graph.py").read_text()
+    rings = re.findall(r"torch\.ops\.longshield\.ring_attention(?:_backward)?\.default\((.*)\)", code)
+    assert len(rings) == 2 * Llama.from_name("tiny").cfg.n_layers
+    assert all(args.endswith(", 4, 2") for args in rings)  # cp, inner ring
+    with fake_world(4) as mesh:
+        expected = _simulated_ms(mesh, SequenceLayout(1, 4, 2), "H100-IB", inner_ring=2)
+        one_ring = _simulated_ms(mesh, SequenceLayout(1, 4), "H100-IB")
+    assert _timeline_ms(out, "H100-IB") == expected != one_ring

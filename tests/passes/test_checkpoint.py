@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import longshield_fx as lf
+from longshield_fx.passes._context import KEEP_SELECTIVE
 from longshield_fx.passes.checkpoint import region_of
 from longshield_fx.tools.memory import estimate_memory
 
@@ -126,15 +127,40 @@ def test_unknown_policy_is_refused():
         lf.compile(tiny_llama(), config=lf.DPConfig(1.0, 0.0), checkpoint="everything")
 
 
+@pytest.mark.parametrize("n_kv_heads", [2, 1], ids=["hkv2-moved", "hkv1-replicated"])
 @pytest.mark.parametrize("policy, recomputed", [("selective", 0), ("block", 8)])
-def test_2d_attention_all_to_alls_are_kept_by_selective_and_recomputed_by_block(fake_world, policy, recomputed):
-    """hp=2 x cp=2: selective keeps the ring's inputs and the output after their all-to-alls,
-    so the backward issues only its own four per layer; block recomputes the forward's four
-    (and the ring) per layer, 2 layers."""
+def test_2d_attention_all_to_alls_are_kept_by_selective_and_recomputed_by_block(fake_world, policy, recomputed,
+                                                                                n_kv_heads):
+    """hp=2 x cp=2, 2 layers: selective keeps the ring's inputs and the output after their
+    all-to-alls, so the backward issues only its own four per layer; block recomputes the
+    forward's four (and the ring) per layer. With one K/V head (replicated to hp=2 before its
+    all-to-all) the count is the same: the replicas travel in the k and v all-to-alls."""
     a2a = torch.ops._c10d_functional.all_to_all_single.default
+    ring_fwd = torch.ops.longshield.ring_attention.default
+    ring_bwd = torch.ops.longshield.ring_attention_backward.default
     ids = torch.zeros(2, 16, dtype=torch.long)
     with fake_world(2, hp=2) as mesh:
-        gm = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 0.0), checkpoint=policy).lower(ids, ids).gm
+        model = tiny_llama(n_kv_heads=n_kv_heads)
+        gm = lf.compile(model, mesh, config=lf.DPConfig(1.0, 0.0), checkpoint=policy).lower(ids, ids).gm
+    layers = len(model.lm.layers)
     nodes = list(gm.graph.find_nodes(op="call_function", target=a2a))
     assert sum(bool(n.meta.get("recomputed")) for n in nodes) == recomputed
-    assert len(nodes) == 16 + recomputed
+    assert len(nodes) == 8 * layers + recomputed
+    rings = list(gm.graph.find_nodes(op="call_function", target=ring_fwd))
+    backwards = list(gm.graph.find_nodes(op="call_function", target=ring_bwd))
+    assert len(backwards) == layers
+    # The ring backward reads the forward ring's output and log-sum-exp (args 4, 5): under
+    # selective the forward's own getitems (kept), under block those of the recomputed ring.
+    read = [(bwd.args[4].args[0], bwd.args[5].args[0]) for bwd in backwards]
+    assert all(out_of is lse_of and out_of.target == ring_fwd for out_of, lse_of in read)
+    if policy == "selective":
+        assert len(rings) == layers and not any(n.meta.get("recomputed") for n in rings)
+        assert all(not bwd.args[i].meta.get("recomputed") for bwd in backwards for i in range(1, 6))
+        # the attention output after its all-to-all feeds wo's per-sample einsum: kept too
+        kept_outputs = [n for n in gm.graph.nodes if n.meta.get(KEEP_SELECTIVE)]
+        assert len(kept_outputs) == 4 * layers  # q, k, v after the all-to-all, the output after it
+        assert not any(n.meta.get("recomputed") for n in kept_outputs)
+        assert all(any(u.meta.get("partitioner_tag") == "is_backward" for u in n.users) for n in kept_outputs)
+    else:
+        assert sum(bool(n.meta.get("recomputed")) for n in rings) == layers == len(rings) - layers
+        assert all(out_of.meta.get("recomputed") for out_of, _ in read)

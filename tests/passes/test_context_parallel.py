@@ -6,6 +6,7 @@ fp32, flash for fp16/bf16), with shapes from fake tensors. The ring rewrite must
 collectives as from the CPU graph (pinned in test_shard_grads.py; both read the shared
 ``cp_graph(2)``).
 """
+import math
 import operator
 
 import pytest
@@ -151,43 +152,134 @@ def test_hand_written_attention_is_refused_under_context_parallelism(fake_world)
 
 # --- 2D attention (hp x cp) -------------------------------------------------------------------------
 
-def _all_to_alls(gm) -> list[tuple]:
-    c10d = torch.ops._c10d_functional
-    return [tuple(n.args[0].meta["val"].shape) for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
+A2A = torch.ops._c10d_functional.all_to_all_single.default
+RING = torch.ops.longshield.ring_attention.default
+RING_BWD = torch.ops.longshield.ring_attention_backward.default
+# The reshapes around an all-to-all (``_HeadAllToAll``): walked through to find it.
+_RESHAPES = {aten.view.default, aten.permute.default, aten.clone.default, aten.transpose.int, aten.sum.dim_IntList,
+             aten.unsqueeze.default, aten.expand.default, torch.ops._c10d_functional.wait_tensor.default,
+             operator.getitem}
+
+
+def _all_to_all_before(node):
+    """The one all-to-all whose result reaches ``node`` through reshapes only."""
+    found, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n.target == A2A:
+            found.add(n)
+        elif n is node or n.target in _RESHAPES:
+            todo += n.all_input_nodes
+    assert len(found) == 1, (node, found)
+    return found.pop()
+
+
+def _all_to_all_after(node):
+    """The one all-to-all that ``node``'s value reaches through reshapes only."""
+    found, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n.target == A2A:
+            found.add(n)
+        elif n is node or n.target in _RESHAPES:
+            todo += list(n.users)
+    assert len(found) == 1, (node, found)
+    return found.pop()
+
+
+def _getitem(node, i):
+    return next(u for u in node.users if u.target is operator.getitem and u.args[1] == i)
+
+
+def attention_layers(gm) -> list[dict]:
+    """Per attention layer (forward graph order): its ring ops and each all-to-all by what it
+    carries, found by walking from the ring ops' inputs and outputs."""
+    backward_of = {n.args[1]: n for n in gm.graph.find_nodes(op="call_function", target=RING_BWD)}
+    layers = []
+    for ring in gm.graph.find_nodes(op="call_function", target=RING):
+        bwd = backward_of[ring.args[0]]  # the ring backward reads the same q
+        q, k, v = (_all_to_all_before(a) for a in ring.args[:3])
+        layers.append({
+            "ring": ring, "ring_backward": bwd,
+            "forward": {"q": q, "k": k, "v": v, "out": _all_to_all_after(_getitem(ring, 0))},
+            "backward": {"grad_out": _all_to_all_before(bwd.args[0]),
+                         **{name: _all_to_all_after(_getitem(bwd, i)) for i, name in enumerate(("dq", "dk", "dv"))}},
+        })
+    return layers
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["hkv2-moved", "hkv1-replicated"])
-def test_2d_attention_collectives_follow_the_paper_formulas(cp_graph, kv_heads):
-    """hp=2 x cp=2 on the tiny Llama (H=4, fp32): per layer, four all-to-alls forward (q, k, v,
-    out) and four backward (grad out, dq, dk, dv), each sending (hp-1)/hp of its input; ring
-    hops carry K/V chunks of max(Hkv, hp)/H x 2SD/d_sp values (LoongTrain section 4.5), the
-    K/V heads replicated to hp when Hkv < hp."""
+def test_2d_attention_collectives_follow_the_paper_formulas_per_layer(cp_graph, kv_heads):
+    """hp=2 x cp=2 on the tiny Llama (H=4, fp32), layer by layer: four all-to-alls forward (q,
+    k, v, out) and four backward (grad out, dq, dk, dv), each on the hp group and sending
+    (hp-1)/hp of its input, Size(q) = Size(out) = B·S·D/sp and Size(k) = Size(v) = Size(kv)/2;
+    ring ops on the cp group whose K/V chunks are max(Hkv, hp)/H x 2SD/d_sp values (LoongTrain
+    section 4.5), the K/V heads replicated to hp when Hkv < hp, hopping cp-1 times (the
+    backward also carries the fp32 dK/dV accumulators cp times)."""
+    from longshield_fx.cli.inspect import collective_bytes  # the engine's own per-node count
+
     hp, cp, T, B = 2, 2, 32, 2
     shared = cp_graph(cp, hp=hp, T=T, B=B, n_kv_heads=kv_heads)
-    cfg = shared.engine.model.lm.cfg
-    H, D, layers, sp = cfg.n_heads, cfg.dim, cfg.n_layers, hp * cp
+    engine, gm = shared.engine, shared.gm
+    cfg = engine.model.lm.cfg
+    H, D, sp = cfg.n_heads, cfg.dim, hp * cp
     hd = D // H
     kv_hat = max(kv_heads, hp)  # K/V heads after replication
-    q_in, kv_in = (B, H, T // sp, hd), (B, kv_hat, T // sp, hd)  # what each all-to-all is given, per rank
-    as_sent = lambda s: (hp, s[0], s[1] // hp, *s[2:])  # the (hp, B, heads/hp, L, D) buffer exchanged
-    out_in = (B, H // hp, T // cp, hd)  # the ring's output, heads back for the sequence
-    assert sorted(_all_to_alls(shared.gm)) == sorted(
-        [as_sent(q_in), as_sent(kv_in), as_sent(kv_in), (hp, B, H // hp, T // sp, hd)] * layers  # forward
-        + [as_sent(q_in), (hp, *out_in[:2], T // sp, hd), (hp, B, kv_hat // hp, T // sp, hd),
-           (hp, B, kv_hat // hp, T // sp, hd)] * layers)  # backward: grad out; dq, dk, dv
     fp32 = 4
-    size_q = B * fp32 * T * D // sp  # Size(q) = Size(out), in fp32, for B sequences
-    size_kv = B * kv_hat * 2 * fp32 * T * D // (H * sp)  # Size(kv): K and V after replication
-    moved = shared.engine.communication_bytes()
-    assert moved["all_to_all"] == layers * 2 * (2 * size_q + size_kv) * (hp - 1) // hp
-    # forward hops, backward hops and the backward's fp32 dK/dV accumulators (cp hops)
-    assert moved["ring_attention"] == layers * ((cp - 1) * size_kv * 2 + cp * size_kv)
-    ring = [n for n in shared.gm.graph.nodes if n.target == torch.ops.longshield.ring_attention.default]
-    assert len(ring) == layers and all(tuple(n.args[1].meta["val"].shape) == (B, kv_hat // hp, T // cp, hd)
-                                       for n in ring)
+    size_q = B * T * D // sp * fp32  # Size(q) = Size(out), B sequences, fp32
+    size_kv = B * kv_hat * 2 * T * D // (H * sp) * fp32  # Size(kv): K and V after replication
+    # what each all-to-all exchanges: (hp, B, heads / hp, T / sp, head dim), row j to hp rank j
+    heads_moved = {"q": H, "k": kv_hat, "v": kv_hat, "out": H, "grad_out": H, "dq": H, "dk": kv_hat, "dv": kv_hat}
+    size_of = {"q": size_q, "out": size_q, "grad_out": size_q, "dq": size_q,
+               "k": size_kv // 2, "v": size_kv // 2, "dk": size_kv // 2, "dv": size_kv // 2}
+    hp_group, cp_group = engine.parallel.hp_group_name, engine.parallel.cp_group_name
+    assert hp_group != cp_group
+
+    layers = attention_layers(gm)
+    assert len(layers) == cfg.n_layers
+    seen = set()
+    for layer in layers:
+        a2as = {**layer["forward"], **layer["backward"]}
+        assert len(set(a2as.values())) == 8
+        seen.update(a2as.values())
+        assert all(n.meta["partitioner_tag"] == "is_forward" for n in layer["forward"].values())
+        assert all(n.meta["partitioner_tag"] == "is_backward" for n in layer["backward"].values())
+        for kind, node in a2as.items():
+            assert tuple(node.args[0].meta["val"].shape) == (hp, B, heads_moved[kind] // hp, T // sp, hd), kind
+            assert node.args[1:] == ([1] * hp, [1] * hp, hp_group), kind  # even splits over the hp group
+            assert collective_bytes(engine, node) == size_of[kind] * (hp - 1) // hp, kind
+        ring, ring_backward = layer["ring"], layer["ring_backward"]
+        assert ring.args[4] == ring_backward.args[7] == cp_group
+        kv_chunk = (B, kv_hat // hp, T // cp, hd)  # LoongTrain's (max(Hkv, hp)/hp, S/cp, D/H), B sequences
+        assert tuple(ring.args[1].meta["val"].shape) == tuple(ring.args[2].meta["val"].shape) == kv_chunk
+        assert 2 * math.prod(kv_chunk) * fp32 == size_kv  # = max(Hkv, hp)/H x 2SD/d_sp values per P2P
+        assert collective_bytes(engine, ring) == (cp - 1) * size_kv
+        assert collective_bytes(engine, ring_backward) == (cp - 1) * size_kv + cp * size_kv  # + fp32 dK, dV
+    all_a2a = set(gm.graph.find_nodes(op="call_function", target=A2A))
+    assert seen == all_a2a  # every all-to-all belongs to one layer's eight
+    moved = engine.communication_bytes()  # and the totals add up
+    assert moved["all_to_all"] == cfg.n_layers * 2 * (2 * size_q + size_kv) * (hp - 1) // hp
+    assert moved["ring_attention"] == cfg.n_layers * ((cp - 1) * size_kv * 2 + cp * size_kv)
 
 
-def test_2d_attention_golden_collectives(cp_graph, describe_collectives):
+def test_2d_attention_golden_collectives_kv_heads_moved(cp_graph, describe_collectives):
+    """Hkv=2 = hp: each hp rank's all-to-alls move one real K/V head (no replica)."""
+    assert_expected_inline(describe_collectives(cp_graph(2, hp=2, n_kv_heads=2).gm), """\
+all_to_all_single [(2, 2, 2, 8, 16)] -> [(2, 2, 2, 8, 16)] x8
+all_to_all_single [(2, 2, 1, 8, 16)] -> [(2, 2, 1, 8, 16)] x8
+ring_attention [(2, 2, 16, 16), (2, 1, 16, 16), (2, 1, 16, 16)] -> [(2, 2, 16, 16), (2, 2, 16)] x2
+lm_head_loss [(2, 8, 64), (256, 64), (2, 8), (2, 8)] -> [(2, 8), (2, 8, 64), (2, 256, 64)] x1
+reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x2
+all_reduce [(2, 64)] -> [(2, 64)] x5
+reduce_scatter_tensor [(192, 2, 64)] -> [(48, 2, 64)] x6
+reduce_scatter_tensor [(64, 2, 64)] -> [(16, 2, 64)] x4
+ring_attention_backward [(2, 2, 16, 16), (2, 2, 16, 16), (2, 1, 16, 16), (2, 1, 16, 16), (2, 2, 16, 16), (2, 2, 16)] -> [(2, 2, 16, 16), (2, 1, 16, 16), (2, 1, 16, 16)] x2
+reduce_scatter_tensor [(64, 2, 32)] -> [(16, 2, 32)] x4
+all_reduce [(2,)] -> [(2,)] x1""")
+
+
+def test_2d_attention_golden_collectives_kv_heads_replicated(cp_graph, describe_collectives):
+    """Hkv=1 < hp=2: the one K/V head is replicated to two before its all-to-all."""
     assert_expected_inline(describe_collectives(cp_graph(2, hp=2, n_kv_heads=1).gm), """\
 all_to_all_single [(2, 2, 2, 8, 16)] -> [(2, 2, 2, 8, 16)] x8
 all_to_all_single [(2, 2, 1, 8, 16)] -> [(2, 2, 1, 8, 16)] x8

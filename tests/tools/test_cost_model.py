@@ -2,10 +2,12 @@
 plus the attention kernels it has no formula for (CPU flash, ring attention), causal halved."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx
 
-from longshield_fx._torch import FakeTensorMode
+import longshield_fx as lf
+from longshield_fx._torch import COLLECTIVES, FakeTensorMode
 from longshield_fx.tools.cost_model import node_flops
 
 aten = torch.ops.aten
@@ -47,8 +49,8 @@ def test_flops_per_node():
 
 # --- 2D attention and the double ring (LoongTrain section 4.5) -------------------------------------
 
-from longshield_fx.tools.cost_model import (HARDWARE, SequenceLayout, attention_time, ring_time,  # noqa: E402
-                                            search_attention, simulate)
+from longshield_fx.tools.cost_model import (HARDWARE, Hardware, SequenceLayout, attention_time,  # noqa: E402
+                                            graph_layout, ring_time, search_attention, simulate)
 
 IB = HARDWARE["2x4-H100-IB"]
 LLAMA_8B = dict(batch=1, heads=32, kv_heads=8, head_dim=128)
@@ -79,16 +81,42 @@ def test_ring_time_follows_the_double_ring_schedule():
     assert ring_time(IB, SequenceLayout(1, 1), block, hop) == block
 
 
-def test_attention_sizes_are_the_papers():
-    """Size(q) = Size(out) = B·S·D/sp per all-to-all; Size(kv) = max(Hkv, hp)/H · 2·B·S·D/sp per
-    ring hop: with hp = H/2 = 16 > Hkv = 8 the K/V heads are replicated to 16."""
-    nvlink = HARDWARE["H100-NVLink"]
-    T, hp, cp = 65536, 16, 1
-    cost = attention_time(nvlink, SequenceLayout(hp, cp), seq_len=T, **LLAMA_8B)
-    D, e, sp = 32 * 128, 2, hp * cp
-    size_q, size_kv = T * D / sp * e, 16 / 32 * 2 * T * D / sp * e
-    a2a = lambda size: nvlink.latency + size * (hp - 1) / hp / nvlink.link_bw  # noqa: E731
-    assert abs(cost.all_to_all - 2 * (2 * a2a(size_q) + 2 * a2a(size_kv / 2))) < 1e-12
+# Compute so fast that every ring step waits for its hop: ring times then measure the hop sizes.
+FREE_COMPUTE = Hardware("free-compute NVLink", 1e30, 3.35e12, 450e9, 10e-6)
+
+
+@pytest.mark.parametrize("hp, cp", [(16, 1), (16, 4), (4, 16), (32, 2)])
+def test_attention_sizes_are_the_papers(hp, cp):
+    """LoongTrain section 4.5 for Llama-3.1-8B (H=32, Hkv=8), T=64k, sp = hp x cp = 16 or 64:
+    Size(q) = Size(out) = B·S·D/sp per all-to-all, Size(kv) = max(Hkv, hp)/H · 2·B·S·D/sp per
+    ring hop (4.5.3: a KV chunk of (max(Hkv, hp)/hp, S/cp, D/H) for K and V): at hp = 16 and
+    32 > Hkv the K/V heads are replicated to hp, at hp = 4 only the 8 real heads move. With
+    free compute each of the cp-1 forward hops takes its full transfer; a backward hop also
+    carries the fp32 dK/dV accumulators (3 x Size(kv) in bf16)."""
+    T, H, D, e = 65536, 32, 32 * 128, 2
+    sp = hp * cp
+    cost = attention_time(FREE_COMPUTE, SequenceLayout(hp, cp), seq_len=T, **LLAMA_8B)
+    kv_hat = max(8, hp)
+    size_q, size_kv = T * D / sp * e, kv_hat / H * 2 * T * D / sp * e
+    kv_chunk = 2 * (kv_hat // hp) * (T // cp) * (D // H) * e  # the paper's chunk shape, K and V
+    assert kv_chunk == size_kv
+    lat, bw = FREE_COMPUTE.latency, FREE_COMPUTE.link_bw
+    a2a = lambda size: (lat + size * (hp - 1) / hp / bw) if hp > 1 else 0.0  # noqa: E731
+    assert cost.all_to_all == pytest.approx(2 * (2 * a2a(size_q) + 2 * a2a(size_kv / 2)), rel=1e-12)
+    block = 2 * T ** 2 * D / sp / cp / FREE_COMPUTE.flops  # 4.5.2: alpha S^2 D / (d_cp d_sp), forward
+    forward = (cp - 1) * (lat + size_kv / bw) + block
+    backward = (cp - 1) * (lat + 3 * size_kv / bw) + 2.5 * block
+    assert cost.ring == pytest.approx(forward + backward, rel=1e-12)
+
+
+def test_replication_to_hp_equals_mha_volume_at_hp_equal_h():
+    """4.5.3, GQA vs. MHA: at hp = H the K/V heads are replicated to H, so GQA's P2P and
+    all-to-all traffic equal MHA's; below it GQA's are smaller."""
+    def cost(hp, cp, kv_heads):
+        return attention_time(FREE_COMPUTE, SequenceLayout(hp, cp), seq_len=65536, **{**LLAMA_8B, "kv_heads": kv_heads})
+
+    assert cost(32, 2, 8) == cost(32, 2, 32)
+    assert cost(4, 16, 8).ring < cost(4, 16, 32).ring and cost(4, 16, 8).all_to_all < cost(4, 16, 32).all_to_all
 
 
 def test_search_ranks_every_allowed_layout():
@@ -102,14 +130,47 @@ def test_search_ranks_every_allowed_layout():
 
 
 def test_simulate_counts_all_to_alls_and_ring_hops(cp_graph):
-    """The graph's all-to-alls move (hp-1)/hp of their input; the ring ops take ring_time."""
-    gm = cp_graph(2, hp=2, T=32, B=2).gm
+    """hp=2 x cp=2 (tiny Llama, H=4, Hkv=2, fp32, B=2, T=32) on one InfiniBand link: each of the
+    16 all-to-alls moves (hp-1)/hp of its input; each ring op takes its two blocks of causal
+    attention compute (2·B·S²·D/sp FLOPs forward, 2.5x backward, over cp blocks) with one hop
+    between them: K and V, plus the fp32 dK/dV accumulators in the backward."""
+    gm = cp_graph(2, hp=2, T=32, B=2, n_kv_heads=2).gm
+    hp, cp, B, T, D = 2, 2, 2, 32, 64
     slow = HARDWARE["H100-IB"]
-    tl = simulate(gm, slow, SequenceLayout(2, 2))
-    a2a = [n for n in gm.graph.nodes if n.target == torch.ops._c10d_functional.all_to_all_single.default]
+    tl = simulate(gm, slow, SequenceLayout(hp, cp))
+    c10d = torch.ops._c10d_functional
+    a2a = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
+    collectives = [n for n in gm.graph.nodes if n.target in COLLECTIVES]
+    assert len(a2a) == 16 and len(tl.collectives) == len(collectives)
     durations = {name: d for _, d, name in tl.collectives}
     for n in a2a:
         size = n.args[0].meta["val"].numel() * 4
-        assert abs(durations[n.name] - (slow.latency + size / 2 / slow.link_bw)) < 1e-15
-    ring = {name: d for _, d, name in tl.compute if name.startswith("ring_attention_default")}
-    assert len(ring) == 2 and all(d > slow.latency for d in ring.values())  # one hop over IB each
+        assert durations[n.name] == pytest.approx(slow.latency + size * (hp - 1) / hp / slow.link_bw, rel=1e-12)
+    assert tl.comm == pytest.approx(sum(durations.values()), rel=1e-12)
+    ring = {name: d for _, d, name in tl.compute if name.startswith("ring_attention")}
+    assert len(ring) == 4  # 2 layers, forward and backward
+    block = 2 * B * T ** 2 * D / (hp * cp) / cp / slow.flops
+    kv = 2 * B * (2 // hp) * (T // cp) * (D // 4) * 4  # K and V: (B, Hkv/hp, T/cp, head dim), fp32
+    for name, d in ring.items():
+        backward = "backward" in name
+        hop = slow.latency + (2 * kv if backward else kv) / slow.link_bw  # fp32 dK/dV: as many bytes as K/V
+        scale = 2.5 if backward else 1.0
+        assert d == pytest.approx(scale * block + max(scale * block, hop), rel=1e-12), name
+
+
+def test_simulate_reads_hp_and_the_inner_ring_off_the_graph(cp_graph, fake_world):
+    """simulate(gm, hw) with no layout simulates the layout the graph was built for: hp from its
+    all-to-alls, the double ring's w from the ring ops (not one ring of cp, which on nodes of 2
+    GPUs would put every ring step behind an inter-node hop)."""
+    from oracles import tiny_llama
+
+    two_per_node = Hardware("2-GPU nodes", 989e12 * 0.5, 3.35e12, 450e9, 10e-6, 2, 50e9, 20e-6)
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    with fake_world(4) as mesh:
+        double = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 1.0), inner_ring=2).lower(ids, ids).gm
+    two_d = cp_graph(2, hp=2, T=32, B=2, n_kv_heads=2).gm
+    for gm, layout, one_ring in ((double, SequenceLayout(1, 4, 2), SequenceLayout(1, 4)),
+                                 (two_d, SequenceLayout(2, 2), SequenceLayout(1, 2))):
+        assert graph_layout(gm) == layout
+        assert simulate(gm, two_per_node).total == simulate(gm, two_per_node, layout).total
+        assert simulate(gm, two_per_node, one_ring).total != simulate(gm, two_per_node, layout).total

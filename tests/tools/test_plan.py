@@ -30,6 +30,8 @@ def third_T(spec) -> int:
 
 PAPER = [P.GraphSpec(m, 4, "block", 1, "bf16") for m in P.MODELS] + [P.GraphSpec(m, 1, None, 1, "bf16")
                                                                        for m in P.MODELS]
+# 2D attention planned end to end: llama3.2-1b on 4 GPUs as hp=2 x cp=2 (its FSDP-style layout is in PAPER).
+HP2 = P.GraphSpec("llama3.2-1b", 2, None, 1, "bf16", hp=2)
 
 
 def _cache_dir() -> Path | None:
@@ -40,10 +42,10 @@ def _cache_dir() -> Path | None:
 def captures():
     """Every capture this module reads, made once by one pool of two worker processes, costliest
     first: the small model's at its two fit points and a third T (cp=1; cp=2 + block, which
-    brings cp=2 without checkpointing along), and the paper models' at their fit points
-    (cp=4 + block, bringing plain cp=4; FSDP-style cp=1)."""
+    brings cp=2 without checkpointing along), the paper models' at their fit points
+    (cp=4 + block, bringing plain cp=4; FSDP-style cp=1), and llama3.2-1b at hp=2 x cp=2."""
     small = [(s, T) for s in SMALL for T in (*P.fit_points(s.cp), third_T(s))]
-    plan_graphs.prefetch(small + P.fit_requests(PAPER), _cache_dir(), jobs=JOBS)
+    plan_graphs.prefetch(small + P.fit_requests(PAPER + [HP2]), _cache_dir(), jobs=JOBS)
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +214,49 @@ def test_main_prints_the_plan(plans_4x80, capsys):
     assert "at T = 65536" in out
     assert "ZeRO-3 over all 4 GPUs as compile(mesh, fsdp=<every mesh dim>) shards them" in out  # the layout planned
     assert math.isfinite(block.at_max.total)
+
+
+def _report_row(out: str, title: str) -> list[str]:
+    """The cells of ``format_plan``'s row for layout ``title``: max T, then the GiB columns."""
+    row = next(line for line in out.splitlines() if line.startswith(f"{title} "))
+    return row[len(title):].split()
+
+
+@pytest.mark.slow
+def test_llama8b_block_at_cp4_reaches_64k_and_the_report_names_the_model_state_layout(plans_4x80, capsys):
+    """Issue 14: ``plan --model llama3.1-8b --gpus 4 --gpu-mem-gb 80 --cp 4 --checkpoint block``
+    (the captures are memoised by now) still reaches the paper's 64k with the model states
+    sharded as the engine shards them, and its report says which layout those states are: the
+    state columns printed are the engine's ZeRO-3 shard over the 4 GPUs."""
+    _, _, block = plans_4x80["llama3.1-8b"]
+    assert block.max_T is not None and block.max_T >= 65536, block.max_T
+    assert cli.main(["plan", "--model", "llama3.1-8b", "--gpus", "4", "--gpu-mem-gb", "80", "--cp", "4",
+                     "--checkpoint", "block", "--cache-dir", "", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "model states: ZeRO-3 over all 4 GPUs as compile(mesh, fsdp=<every mesh dim>) shards them" in out
+    assert "each Shard(0) with dim 0 padded to ceil(p/N) rows" in out
+    cells = _report_row(out, "DP cp=4 block")
+    assert cells[0] == P.tokens(block.max_T)
+    stats = P.model_stats("llama3.1-8b")
+    params, grads, optimizer, _ = P.state_bytes(stats, 4, "bf16")
+    assert params == 2 * stats.shard_numel(4)  # the bf16 copy of the engine's shard, not params / 4
+    assert cells[1:4] == [f"{b / P.GiB:.2f}" for b in (params, grads, optimizer)]
+
+
+@pytest.mark.slow
+def test_main_plans_2d_attention_with_hp2(plans_4x80, capsys):
+    """``plan --hp 2`` end to end on 4 GPUs (cp = 4 / hp = 2): the graph of one hp=2 x cp=2 rank
+    is planned. Every tensor outside attention holds T/4 tokens per rank as under cp=4, and
+    attention's are the same size (H/2 heads x T/2 tokens vs H heads x T/4), so it reaches the
+    same context as plain cp=4; the all-to-all buffers show up as a slightly larger graph."""
+    assert cli.main(["plan", "--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "80", "--hp", "2",
+                     "--cache-dir", "", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    fsdp, plain_cp4, _ = plans_4x80["llama3.2-1b"]
+    two_d = P.plan_layout("DP cp=2 hp=2", HP2, gpus=4, gpu_mem_gib=80.0)
+    assert two_d.fit.T_points == (4096, 8192)  # 1024 and 2048 tokens per rank, over hp x cp = 4 ranks
+    cells = _report_row(out, "DP cp=2 hp=2")
+    assert cells[0] == P.tokens(two_d.max_T) and _report_row(out, "FSDP-style cp=1")[0] == P.tokens(fsdp.max_T)
+    assert two_d.max_T == plain_cp4.max_T, (two_d.max_T, plain_cp4.max_T)
+    T = two_d.max_T
+    assert two_d.breakdown(T).graph >= plain_cp4.breakdown(T).graph
