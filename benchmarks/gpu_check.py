@@ -1,0 +1,287 @@
+"""What only a GPU can show: exactness of CUDA kernels, dropout's CUDA RNG, and llama3.2-1b steps.
+
+For the next session that is lent a GPU: written without one and NOT yet run (the README's GPU
+section is an earlier snapshot's, on torch 2.11); expect to fix small things on first use.
+
+    python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
+    python benchmarks/gpu_check.py dropout
+    python benchmarks/gpu_check.py step [--seq-lens 4096 16384 32768] [--checkpoint none block]
+
+``zoo``: every architecture of tests/hf_zoo.py (tiny random config, B=2, T=12) compiled on
+``cuda`` in ``--dtype`` (fp32 with TF32 off) against a float64 per-sample autograd loop on the
+CPU; beside ours, the same loop run on the GPU in that dtype: the dtype's own error, the floor.
+Architectures are split over ``--workers`` processes (a CUDA error stays in its slice).
+
+``dropout``: a GPT-2 with dropout 0.2 everywhere (attention dropout inside the fused CUDA
+kernel) in train mode: our per-sample gradients against an eager forward of the whole batch
+from the same seed followed by one backward per sample (so the same masks), and
+checkpoint="block" / "selective" against no checkpointing, bitwise.
+
+``step``: llama3.2-1b (1.24B parameters, fp32 master weights, bf16 compute), B=1, AdamW. eager:
+``CausalLMLoss`` under autocast, ``.sum().backward()`` (block: ``torch.utils.checkpoint`` around
+each layer). dp: ``accumulate`` + ``finalize`` (flat C=1, sigma=1, the secure ChaCha20 noise)
++ AdamW. One fresh process per (method, T, checkpoint): one warm-up step (capture), then the
+median of 3 timed steps; peak = ``torch.cuda.max_memory_allocated`` over the timed steps;
+``noise s`` = the median time of ``finalize`` (the noise draw, added to the gradient).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+
+def _rel(ours: dict, ref: dict) -> float:
+    import hf_zoo
+    return hf_zoo.relative_error({n: t.detach().double().cpu() for n, t in ours.items()}, ref)
+
+
+# ---------------------------------------------------------------- zoo
+
+def zoo_worker(names: list[str], dtype: torch.dtype, out: str) -> None:
+    import hf_zoo
+    import longshield_fx as lf
+    from longshield_fx.errors import UnsupportedModelError
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_num_threads(2)
+    results = {}
+    for name in names:
+        start = time.time()
+        try:
+            model = hf_zoo.build(name)
+            ids, labels = hf_zoo.batch()
+            ref64 = hf_zoo.loop_per_sample_grads(copy.deepcopy(model).double(), ids, labels)
+        except Exception as e:
+            results[name] = {"status": "no tiny config", "detail": hf_zoo._first_line(e)}
+            continue
+        try:
+            gpu = copy.deepcopy(model).to("cuda", dtype)
+            ids_c, labels_c = ids.cuda(), labels.cuda()
+            loop = _rel(hf_zoo.loop_per_sample_grads(gpu, ids_c, labels_c), ref64)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine = lf.compile(gpu, config=lf.DPConfig(hf_zoo.CLIP, 0.0, compute_dtype=dtype))
+                ours = engine.per_sample_grads(ids_c, labels_c)
+                engine.accumulate(ids_c, labels_c)
+                engine.finalize(hf_zoo._logical())
+            per_sample = _rel(ours, ref64)
+            clipped = _rel({n: p.grad for n, p in gpu.named_parameters() if p.requires_grad},
+                           hf_zoo.clipped_sum(ref64, hf_zoo.CLIP))
+            kernels = sorted({str(n.target).split(".")[1] for n in engine.lower(ids_c, labels_c).gm.graph.nodes
+                              if "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)})
+            results[name] = {"status": "ran", "per_sample": per_sample, "clipped": clipped, "loop": loop,
+                             "attention": ",".join(kernels)}
+        except UnsupportedModelError as e:
+            results[name] = {"status": "refused", "detail": hf_zoo._first_line(e)}
+        except Exception as e:
+            results[name] = {"status": "crash", "detail": f"{type(e).__name__}: {hf_zoo._first_line(e)}"}
+        results[name]["seconds"] = round(time.time() - start, 1)
+        print(f"{name:28s} {results[name]}", file=sys.stderr, flush=True)
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+def zoo(args) -> None:
+    import hf_zoo
+    names = args.names or hf_zoo.architectures()
+    outs = [f"/tmp/gpu_zoo_{i}.json" for i in range(args.workers)]
+    procs = [subprocess.Popen([sys.executable, __file__, "_zoo_worker", f"--dtype={args.dtype}", f"--out={out}",
+                              *names[i::args.workers]], stdout=sys.stderr) for i, out in enumerate(outs)]
+    for p in procs:
+        p.wait()
+    results = {}
+    for out in outs:
+        if os.path.exists(out):
+            results.update(json.load(open(out)))
+    ran = {n: r for n, r in results.items() if r["status"] == "ran"}
+    tol = 1e-5 if args.dtype == "float32" else 5e-2
+    exact = [n for n, r in ran.items() if max(r["per_sample"], r["clipped"]) <= max(tol, 2 * r["loop"])]
+    print(f"\n## Zoo on CUDA, {args.dtype} (transformers {__import__('transformers').__version__}, "
+          f"torch {torch.__version__})\n")
+    print(f"{len(results)} architectures: {len(ran)} ran, {len(exact)} of them within max({tol:g}, 2 x the "
+          f"GPU loop's own error) of float64; " + ", ".join(
+              f"{s} {sum(r['status'] == s for r in results.values())}" for s in ("refused", "crash", "no tiny config")))
+    print("\n| architecture | ours per-sample rel | ours clipped rel | GPU autograd loop rel | attention kernel |")
+    print("|---|---|---|---|---|")
+    for n, r in sorted(results.items()):
+        if r["status"] == "ran":
+            print(f"| {n} | {r['per_sample']:.1e} | {r['clipped']:.1e} | {r['loop']:.1e} | {r['attention'] or '-'} |")
+        elif r["status"] != "no tiny config":
+            print(f"| {n} | {r['status']}: {r['detail'][:120].replace('|', '/')} | | | |")
+    missing = sorted(set(names) - set(results))
+    if missing:
+        print(f"\nno result (worker died): {missing}")
+
+
+# ---------------------------------------------------------------- dropout
+
+def dropout(args) -> None:
+    import transformers
+    import longshield_fx as lf
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def model_():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                      resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, bos_token_id=None,
+                                      eos_token_id=None, attn_implementation="sdpa")
+        return lf.CausalLMLoss(transformers.GPT2LMHeadModel(cfg)).train().cuda()
+
+    model = model_()
+    ids = torch.randint(0, 128, (3, 32), generator=torch.Generator().manual_seed(0)).cuda()
+    batch = (ids, ids.clone())
+
+    def ours(seed, checkpoint=None):
+        engine = lf.compile(model, checkpoint=checkpoint)
+        gm = engine.lower(*batch, graph="per_sample").gm
+        torch.manual_seed(seed)
+        grads = engine.per_sample_grads(*batch)
+        return grads, sorted({str(n.target) for n in gm.graph.nodes if "dropout" in str(n.target)
+                              or "scaled_dot_product" in str(n.target)})
+
+    torch.manual_seed(3)
+    losses = model(*batch)
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    rows = [torch.autograd.grad(losses[b], params, retain_graph=True) for b in range(len(losses))]
+    ref = {n: torch.stack([row[i] for row in rows]) for i, n in enumerate(names)}
+    plain, ops = ours(3)
+    other, _ = ours(4)
+    print("\n## Dropout on CUDA (GPT-2, p=0.2 everywhere, train mode, fp32, B=3, T=32)\n")
+    print(f"random ops in the captured graph: {ops}")
+    print(f"ours vs same-masks eager oracle: worst rel {_rel(plain, {n: r.double().cpu() for n, r in ref.items()}):.1e}")
+    print(f"another seed changes the masks: rel diff {_rel(other, {n: r.double().cpu() for n, r in plain.items()}):.1e}")
+    for policy in ("block", "selective"):
+        ck, _ = ours(3, policy)
+        diff = max(float((ck[n] - plain[n]).abs().max()) for n in plain)
+        print(f"checkpoint={policy} vs none: max abs diff {diff:.1e} ({'bitwise equal' if diff == 0 else 'DIFFERENT'})")
+
+
+# ---------------------------------------------------------------- step
+
+def step_worker(method: str, seq_len: int, checkpoint: str, out: str) -> None:
+    import functools
+    import longshield_fx as lf
+    from longshield_fx.data import LogicalBatch
+    from longshield_fx.models.llama import Llama
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        lm = Llama.from_name("llama3.2-1b")
+    model = lf.CausalLMLoss(lm)
+    ids = torch.randint(0, lm.cfg.vocab_size, (1, seq_len), device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    noise = []
+    if method == "eager":
+        if checkpoint == "block":
+            for layer in lm.layers:
+                layer.forward = functools.partial(torch_checkpoint, layer.forward, use_reentrant=False)
+
+        def step():
+            with torch.autocast("cuda", torch.bfloat16):
+                model(ids, ids).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, compute_dtype=torch.bfloat16),
+                            checkpoint=None if checkpoint == "none" else checkpoint)
+        logical = LogicalBatch(size=1, indices=torch.arange(1), physical=[], sample_rate=1e-3, expected_size=1.0)
+
+        def step():
+            engine.accumulate(ids, ids)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.finalize(logical)
+            torch.cuda.synchronize()
+            noise.append(time.perf_counter() - start)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    result = {"method": method, "T": seq_len, "checkpoint": checkpoint}
+    try:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        result["first_s"] = time.perf_counter() - start
+        noise.clear()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        result.update(step_s=statistics.median(times), peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                      noise_s=statistics.median(noise) if noise else None)
+    except torch.OutOfMemoryError:
+        result["error"] = "OOM"
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def step(args) -> None:
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    rows = []
+    for seq_len in args.seq_lens:
+        for checkpoint in args.checkpoint:
+            row = {}
+            for method in ("eager", "dp"):
+                out = f"/tmp/gpu_step_{method}_{seq_len}_{checkpoint}.json"
+                subprocess.run([sys.executable, __file__, "_step_worker", method, str(seq_len), checkpoint, out],
+                               env=env, timeout=args.timeout)
+                row[method] = json.load(open(out)) if os.path.exists(out) else {"error": "worker died"}
+                print(row[method], file=sys.stderr, flush=True)
+            rows.append((seq_len, checkpoint, row))
+    print(f"\n## llama3.2-1b, B=1, one step (torch {torch.__version__}, {torch.cuda.get_device_name()})\n")
+    print("| T | checkpoint | eager s / peak GiB | DP s / peak GiB | DP / eager time | DP noise s |")
+    print("|---|---|---|---|---|---|")
+
+    def cell(r):
+        return r["error"] if "error" in r else f"{r['step_s']:.3f} / {r['peak_gib']:.1f}"
+    for seq_len, checkpoint, row in rows:
+        e, d = row["eager"], row["dp"]
+        ratio = f"{d['step_s'] / e['step_s']:.2f}" if "error" not in e and "error" not in d else "-"
+        print(f"| {seq_len} | {checkpoint} | {cell(e)} | {cell(d)} | {ratio} | "
+              f"{d.get('noise_s') and round(d['noise_s'], 3)} |")
+
+
+def main() -> None:
+    if sys.argv[1] == "_zoo_worker":
+        p = argparse.ArgumentParser()
+        p.add_argument("--dtype")
+        p.add_argument("--out")
+        p.add_argument("names", nargs="*")
+        a = p.parse_args(sys.argv[2:])
+        return zoo_worker(a.names, getattr(torch, a.dtype), a.out)
+    if sys.argv[1] == "_step_worker":
+        return step_worker(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    z = sub.add_parser("zoo")
+    z.add_argument("--workers", type=int, default=4)
+    z.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    z.add_argument("names", nargs="*")
+    sub.add_parser("dropout")
+    s = sub.add_parser("step")
+    s.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
+    s.add_argument("--checkpoint", nargs="+", default=["none", "block"])
+    s.add_argument("--timeout", type=int, default=300)
+    args = p.parse_args()
+    {"zoo": zoo, "dropout": dropout, "step": step}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
