@@ -152,6 +152,10 @@ class CPCase(NamedTuple):
     hp: int = 1  # head-parallel degree (2D attention)
     inner_ring: int | None = None  # double ring: inner ring size
     fsdp: tuple | None = None  # mesh dims model states are sharded over
+    # Only the first engine (per-sample gradients, clipped sum, training steps, bytes): no
+    # second capture without the overlap pass, no noisy engine. For layouts whose overlap and
+    # noise another case of the same mesh already checks.
+    light: bool = False
 
 
 CP_CASES = {
@@ -170,12 +174,17 @@ CP_CASES = {
     "hp2cp2-llama": CPCase(4, "llama", hp=2),
     "hp2cp2-hf_qwen2": CPCase(4, "hf_qwen2", hp=2),
     "hp2cp2-hf_qwen2-selective": CPCase(4, "hf_qwen2", policy="selective", hp=2),
+    "hp2cp2-llama-selective": CPCase(4, "llama", policy="selective", hp=2, light=True),
     "hp4-llama": CPCase(4, "llama", hp=4),
     "hp4-hf_qwen2": CPCase(4, "hf_qwen2", hp=4),
+    "hp4-hf_qwen2-selective": CPCase(4, "hf_qwen2", policy="selective", hp=4, light=True),
+    "cp4-llama-selective": CPCase(4, "llama", policy="selective", light=True),
     "dp2hp2-llama": CPCase(4, "llama", dp=2, hp=2),
+    "dp2hp2-hf_qwen2": CPCase(4, "hf_qwen2", dp=2, hp=2, light=True),
     # Double ring: cp=4 as two inner rings of 2.
     "cp4w2-llama": CPCase(4, "llama", inner_ring=2),
     "cp4w2-hf_qwen2": CPCase(4, "hf_qwen2", inner_ring=2),
+    "cp4w2-hf_qwen2-selective": CPCase(4, "hf_qwen2", policy="selective", inner_ring=2, light=True),
     # Sharded model states: ZeRO-3 over every rank, and hybrid (sharded over cp, replicated over dp).
     # "llama_odd" shards unevenly over 4 ranks (dims 50 and 250), also where the sequence group
     # shards a gradient along dim 1 (w2: 50 x 96).
@@ -203,9 +212,40 @@ def case_model(kind: str):
             "llama_odd": llama_odd}[kind](seed=0)
 
 
-def case_batches(kind: str, dp: int, T: int = 16) -> list:
-    """One (2, T) batch of token ids per dp replica (input ids = labels); "llama_units":
-    (2, 3, T), samples of three rows each."""
+def case_batches(kind: str, dp: int, T: int = 16, first_seed: int = 0) -> list:
+    """One (2, T) batch of token ids per dp replica (input ids = labels), from seeds
+    ``first_seed``, ``first_seed + 1``, ...; "llama_units": (2, 3, T), samples of three rows each."""
     vocab = 128 if kind.startswith("hf_") else 250 if kind == "llama_odd" else 256
     shape = (2, 3, T) if kind == "llama_units" else (2, T)
-    return [torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(s)) for s in range(dp)]
+    return [torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(s))
+            for s in range(first_seed, first_seed + dp)]
+
+
+def attention_shape(kind: str) -> tuple[int, int, int, int]:
+    """(layers, heads, K/V heads, head dim) of ``case_model(kind)``."""
+    lm = case_model(kind).lm
+    if kind.startswith("hf_"):
+        c = lm.config
+        return c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+    c = lm.cfg
+    return c.n_layers, c.n_heads, c.n_kv_heads, c.dim // c.n_heads
+
+
+# --- dropout under context parallelism (cp_worker's "dropout" check, world 2) ------------------
+
+DROPOUT_P = 0.5  # the embedding dropout: half the entries dropped, the most informative masks
+DROPOUT_SEEDS = (11, 12)  # torch seeds of the runs: two runs from the first, one from the second
+
+
+def gpt2_embedding_dropout(seed=0):
+    """The tiny GPT-2 in train mode with ONLY its embedding dropout on (p = ``DROPOUT_P``; no
+    residual or attention dropout): the dropout acts on (wte + wpe)[b, t], so the per-sample
+    gradient of ``wpe`` row t is the mask times a gradient that is nowhere 0, and the masks
+    can be read off it (an entry is exactly 0 iff it was dropped), except at the last
+    position (label -100: no loss reaches it)."""
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=DROPOUT_P, attn_pdrop=0.0, bos_token_id=None,
+                                  eos_token_id=None, tie_word_embeddings=True, attn_implementation="sdpa")
+    return lf.CausalLMLoss(transformers.GPT2LMHeadModel(cfg)).train()

@@ -249,10 +249,21 @@ def _refuse_unrewritten_attention(graph: fx.Graph) -> None:
         if node.target in _SOFTMAX and node.meta.get("partitioner_tag") == "is_forward" \
                 and val(node).shape[_arg(node, "dim")] == local_len:
             # Attention written as matmul + softmax would attend within the local shard only.
+            if _feeds_dropout(node):  # SDPA with dropout_p > 0 runs as math attention on the CPU
+                raise UnsupportedModelError(
+                    f"context_parallel: attention dropout at {node.name} in {module_of(node)} is not supported "
+                    "under context parallelism; set it to 0 (Hugging Face: attention_dropout / attn_pdrop in "
+                    "the config), other dropout is fine")
             raise UnsupportedModelError(
                 f"context_parallel: softmax over the (sharded) sequence at {node.name} in {module_of(node)}: "
                 "attention written by hand cannot be split over the context; use "
                 "torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa')")
+
+
+def _feeds_dropout(node: fx.Node, depth: int = 3) -> bool:
+    """Whether ``node`` reaches a dropout within ``depth`` ops (through casts and views)."""
+    return any(u.target == torch.ops.aten.native_dropout.default or (depth > 1 and _feeds_dropout(u, depth - 1))
+               for u in node.users)
 
 
 def _arg(node: fx.Node, name: str, default=None):

@@ -64,3 +64,47 @@ def test_checkpointing_keeps_the_forward_masks(model, batch, policy):
     graph = lf.compile(model, checkpoint=policy).lower(*batch, graph="per_sample").gm.graph
     dropouts = [n for n in graph.nodes if n.target == torch.ops.aten.native_dropout.default]
     assert dropouts and not any(n.meta.get("recomputed") for n in dropouts)
+
+
+# --- attention dropout under context parallelism: refused ------------------------------------------
+
+def test_attention_dropout_on_the_cpu_is_refused_under_context_parallelism(fake_world, batch):
+    """Train mode with attention dropout > 0: on the CPU, SDPA then runs as math attention
+    (softmax and dropout in the graph), which the ring cannot split: refused at the layer,
+    naming the dropout (not the hand-written-attention advice: the model already uses SDPA)."""
+    with fake_world(2) as mesh:
+        engine = lf.compile(gpt2_with_dropout(p=0.2), mesh, config=lf.DPConfig(1.0, 1.0))
+        with pytest.raises(lf.UnsupportedModelError,
+                           match=r"^context_parallel: attention dropout .* in lm\.transformer\.h\.0\.attn .*set it to 0"):
+            engine.lower(*batch)
+
+
+def test_fused_attention_with_dropout_is_refused_under_context_parallelism(monkeypatch, fake_world):
+    """A fused attention kernel that drops (the CUDA kernels take dropout_p in train mode; here
+    the CPU flash nodes of a capture are given dropout_p = 0.1) is refused by name, with the fix."""
+    import longshield_fx.runtime.engine as engine_module
+    from oracles import tiny_llama
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    real_capture = engine_module.capture
+    dropping = []
+
+    def capture_with_attention_dropout(*args, **kwargs):
+        captured = real_capture(*args, **kwargs)
+        for node in captured.gm.graph.find_nodes(op="call_function", target=flash):
+            if len(node.args) > 3:
+                node.update_arg(3, 0.1)
+            else:
+                node.update_kwarg("dropout_p", 0.1)
+            dropping.append(node.name)
+        return captured
+
+    monkeypatch.setattr(engine_module, "capture", capture_with_attention_dropout)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with fake_world(2) as mesh:
+        engine = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 1.0))
+        with pytest.raises(lf.UnsupportedModelError,
+                           match=r"^context_parallel: attention dropout at \S+ in lm\.layers\.0\.\S* .*is not "
+                                 r"supported; set it to 0$"):
+            engine.lower(ids, ids)
+    assert len(dropping) == 2  # both layers' attention, before the passes ran

@@ -7,18 +7,20 @@ distributed check of that size and writes what it measured; the tests compare (t
 - world 4: the ring attention op on gloo (cp=4 on the world group, then cp=2 on two
   strided groups, i.e. dp=2), against full causal attention; then the engine cases of
   ``oracles.CP_CASES`` with world size 4 (cp=4, dp=2 x cp=2, 2D attention hp x cp, dp=2 x hp=2).
-  Then a DCP checkpoint of a ZeRO-3 run (``dcp_save``), which the test resumes on 2 ranks
-  (``cp_worker.py OUT_DIR --resume=PATH``, its own launch).
+  Then DCP checkpoints of a ZeRO-3 run and of a noisy one (``dcp_save``), which the test
+  resumes on 2 ranks (``cp_worker.py OUT_DIR --resume=PATH,NOISY_PATH``, its own launch).
 - world 2: the engine cases with world size 2 (cp=2: plain, block / selective
-  checkpointing, output-stationary); the model's per-rank random stream (dropout); then a
-  dead peer (rank 1 exits, rank 0 must get a clear error, not a hang).
+  checkpointing, output-stationary); the model's per-rank random stream, alone and in a
+  train-mode GPT-2 with embedding dropout (``dropout``); then a dead peer (rank 1 exits,
+  rank 0 must get a clear error, not a hang).
 
 Each rank writes OUT_DIR/rank{r}.pt after every check: {check name: results}. An engine
 case records, on the same batches the single-process oracle gets in the test process:
 full per-sample gradients, the clipped (noise-free) gradient after ``finalize``, the same
 without the overlap pass, a noisy gradient (fixed insecure seed, so the oracle can draw
-the same noise), the loss, the communication bytes, and the parameters after
-``CP_STEPS`` SGD steps on the clipped sums.
+the same noise), the loss, the communication bytes, the groups the attention collectives
+of its graph run over, the ring op's block counts, and the parameters after ``CP_STEPS``
+SGD steps on the clipped sums (a ``light`` case: not the two middle ones).
 """
 import datetime
 import os
@@ -33,9 +35,12 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import longshield_fx as lf  # noqa: E402
+from longshield_fx._torch import resolve_process_group  # noqa: E402
 from longshield_fx.ops import ring_attention as ra  # noqa: E402
-from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, attention_inputs,  # noqa: E402
-                     case_batches, case_model, causal_attention, logical, tiny_llama)
+from longshield_fx.runtime.noise import NoiseGenerator  # noqa: E402
+from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, DROPOUT_SEEDS,  # noqa: E402
+                     attention_inputs, case_batches, case_model, causal_attention, gpt2_embedding_dropout, logical,
+                     tiny_llama)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +55,20 @@ def grads(model) -> dict:
 def local_shards(model, attr: str) -> dict:
     """This rank's shard of each parameter (``attr`` "data") or gradient ("grad")."""
     return {n: getattr(p, attr).to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def attention_collectives(gm) -> dict:
+    """What the lowered graph's attention communicates over: the ranks of every head
+    all-to-all's group, and (group ranks, cp, inner) of every ring attention op."""
+    c10d = torch.ops._c10d_functional
+    ring_ops = (torch.ops.longshield.ring_attention.default, torch.ops.longshield.ring_attention_backward.default)
+
+    def ranks(group_name):
+        return tuple(dist.get_process_group_ranks(resolve_process_group(group_name))) if group_name else ()
+
+    all_to_all = [ranks(n.args[3]) for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
+    ring = [(ranks(n.args[-3]), n.args[-2], n.args[-1]) for n in gm.graph.nodes if n.target in ring_ops]
+    return {"all_to_all": all_to_all, "ring": ring}
 
 
 def case_mesh(world: int, dp: int, hp: int):
@@ -85,23 +104,26 @@ def engine_case(case) -> dict:
     lowered = engine.lower(mine, mine)
     out["passes"] = lowered.passes
     out["chunked_loss"] = any(n.target is torch.ops.longshield.lm_head_loss.default for n in lowered.gm.graph.nodes)
+    out["attention_collectives"] = attention_collectives(lowered.gm)
 
-    # The overlap pass only reorders: without it the clipped gradient must be bit-identical.
-    no_overlap = lf.compile(model, mesh, config=clean, disable_passes=("overlap",), **kwargs)
-    no_overlap.accumulate(mine, mine)
-    no_overlap.finalize(logical(2 * dp))
-    out["clipped_no_overlap"] = grads(model)
-    out["passes_no_overlap"] = no_overlap.lower(mine, mine).passes
+    if not case.light:
+        # The overlap pass only reorders: without it the clipped gradient must be bit-identical.
+        no_overlap = lf.compile(model, mesh, config=clean, disable_passes=("overlap",), **kwargs)
+        no_overlap.accumulate(mine, mine)
+        no_overlap.finalize(logical(2 * dp))
+        out["clipped_no_overlap"] = grads(model)
+        out["passes_no_overlap"] = no_overlap.lower(mine, mine).passes
 
-    # Noise with a fixed key: the oracle adds the same draw once; here it must be added once
-    # per coordinate too (not once per rank, shard or replica), divided by E[B].
-    noisy = lf.DPConfig(max_grad_norm=CP_CLIP, noise_multiplier=1.0, insecure_seed=CP_NOISE_SEED, per_sample_comm=comm)
-    noisy_engine = lf.compile(model, mesh, config=noisy, **kwargs)
-    noisy_engine.accumulate(mine, mine)
-    noisy_engine.finalize(logical(2 * dp, CP_NOISE_E))
-    out["noisy"] = grads(model)
-    if case.fsdp:
-        out["noisy_local"] = local_shards(model, "grad")
+        # Noise with a fixed key: the oracle adds the same draw once; here it must be added once
+        # per coordinate too (not once per rank, shard or replica), divided by E[B].
+        noisy = lf.DPConfig(max_grad_norm=CP_CLIP, noise_multiplier=1.0, insecure_seed=CP_NOISE_SEED,
+                            per_sample_comm=comm)
+        noisy_engine = lf.compile(model, mesh, config=noisy, **kwargs)
+        noisy_engine.accumulate(mine, mine)
+        noisy_engine.finalize(logical(2 * dp, CP_NOISE_E))
+        out["noisy"] = grads(model)
+        if case.fsdp:
+            out["noisy_local"] = local_shards(model, "grad")
 
     # Training: SGD steps on the clipped sums (the first engine's graph, no recapture).
     optimizer = torch.optim.SGD(model.parameters(), lr=CP_LR)
@@ -110,6 +132,9 @@ def engine_case(case) -> dict:
         engine.accumulate(mine, mine)
         engine.finalize(logical(2 * dp))
         optimizer.step()
+    # What this rank's ring ops computed at their last calls (chunk pairs and kernel calls,
+    # forward and backward): a ring of cp ranks, whatever hp is.
+    out["ring_blocks"] = dict(ra.last_block_counts)
     out["trained"] = {n: full(p) for n, p in model.named_parameters()}
     if case.fsdp:
         out["trained_local"] = local_shards(model, "data")
@@ -118,43 +143,101 @@ def engine_case(case) -> dict:
     return out
 
 
-DCP_OPTIMIZER = dict(lr=0.01, eps=1e-2)  # AdamW; a large eps keeps the update continuous in tiny gradients
+# AdamW. The clipped gradients are ~3e-5 per coordinate (median; C = 0.05 over ~1e5 of them),
+# so for most coordinates sqrt(v) >> eps: the step is m/sqrt(v), which the saved optimizer
+# state decides (a fresh optimizer steps by about lr*sign(g)); gradients below eps
+# (roundoff-sized ones) still move continuously.
+DCP_OPTIMIZER = dict(lr=0.01, eps=1e-6)
+DCP_SECOND_BATCHES = 2  # case_batches' first seed of the step after the save (the first step's: 0)
+DCP_NOISE = lf.DPConfig(CP_CLIP, 1.0)  # the noisy run: the engine's secret key, secure draws
+
+
+def dcp_noisy_model():
+    """The noisy run's model: the tiny Llama with one layer (only its noise is looked at; a
+    smaller graph to capture)."""
+    return tiny_llama(n_layers=1)
 
 
 def _dcp_step(engine, optimizer, batches) -> None:
     optimizer.zero_grad()
     for b in batches:
         engine.accumulate(b, b)
-    engine.finalize(logical(4))
+    engine.finalize(logical(2 * len(batches) * engine.parallel.dp))
     optimizer.step()
 
 
+def _noise_step(engine, batch) -> None:
+    """A step whose gradient is the noise alone: every row masked (the clipped sum is 0)."""
+    engine.accumulate(batch, batch, mask=torch.zeros(batch.shape[0]))
+    engine.finalize(logical(0))
+
+
+def optimizer_state(model, optimizer) -> dict:
+    """Parameter name -> its full AdamW state (exp_avg, exp_avg_sq, step), gathered."""
+    return {n: {k: full(v) for k, v in optimizer.state[p].items()} for n, p in model.named_parameters()}
+
+
 def dcp_save(out_dir: str) -> dict:
-    """4 ranks, dp=2 x cp=2, ZeRO-3, AdamW: one step, a DCP checkpoint, a second step."""
+    """4 ranks, dp=2 x cp=2, ZeRO-3, AdamW: one step, a DCP checkpoint, a second step on other
+    batches. Then a noisy run (sigma > 0, the engine's secret stream): one step whose gradient is
+    the noise alone, saved too (``dcp_noisy``)."""
     mesh = case_mesh(4, 2, 1)
-    batches = case_batches("llama", 2)
-    mine = [batches[mesh["dp"].get_local_rank()]]
+    dp_rank = mesh["dp"].get_local_rank()
     model = case_model("llama")
     engine = lf.compile(model, mesh, config=lf.DPConfig(CP_CLIP, 0.0), fsdp=("dp", "cp"))
     optimizer = torch.optim.AdamW(model.parameters(), **DCP_OPTIMIZER)
-    _dcp_step(engine, optimizer, mine)
+    _dcp_step(engine, optimizer, [case_batches("llama", 2)[dp_rank]])
     path = os.path.join(out_dir, "dcp")
     lf.save_checkpoint(path, engine, optimizer)
-    _dcp_step(engine, optimizer, mine)
-    return {"path": path, "after": {n: full(p) for n, p in model.named_parameters()}}
+    saved_optimizer = optimizer_state(model, optimizer)
+    _dcp_step(engine, optimizer, [case_batches("llama", 2, first_seed=DCP_SECOND_BATCHES)[dp_rank]])
+    out = {"path": path, "optimizer_saved": saved_optimizer, "after": {n: full(p) for n, p in model.named_parameters()}}
+
+    noisy_model = dcp_noisy_model()
+    noisy = lf.compile(noisy_model, mesh, config=DCP_NOISE, fsdp=("dp", "cp"))
+    _noise_step(noisy, case_batches("llama", 1)[0])
+    out["noise_path"] = os.path.join(out_dir, "dcp_noisy")
+    lf.save_checkpoint(out["noise_path"], noisy, torch.optim.SGD(noisy_model.parameters(), lr=CP_LR))
+    out["noise_local"] = local_shards(noisy_model, "grad")  # this shard's draws before the save
+    out["noise_index"] = noisy.sharding.index
+    return out
 
 
-def dcp_resume(path: str) -> dict:
-    """2 ranks, cp=2, ZeRO-3 over both: load the 4-rank checkpoint, take the second step on
-    both replicas' batches (one replica now)."""
+def dcp_resume(path: str, noise_path: str) -> dict:
+    """2 ranks, cp=2, ZeRO-3 over both: load the 4-rank checkpoint; record the loaded AdamW
+    state; take the second step (both replicas' batches, one replica now) once with a FRESH
+    AdamW (the negative control: what a resume that lost the optimizer state would do), then,
+    from the same loaded parameters, with the loaded one. Then the noisy run: load it and take
+    one noise-only step; and, as the control of that check, draw what a stream rewound to its
+    first nonce would give this shard."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     model = case_model("llama")
     engine = lf.compile(model, mesh, config=lf.DPConfig(CP_CLIP, 0.0), fsdp=("cp",))
     optimizer = torch.optim.AdamW(model.parameters(), **DCP_OPTIMIZER)
     lf.load_checkpoint(path, engine, optimizer)
-    steps = engine.accountant.steps
-    _dcp_step(engine, optimizer, case_batches("llama", 2))
-    return {"after": {n: full(p) for n, p in model.named_parameters()}, "steps_loaded": steps}
+    out = {"steps_loaded": engine.accountant.steps, "optimizer_loaded": optimizer_state(model, optimizer)}
+    second = case_batches("llama", 2, first_seed=DCP_SECOND_BATCHES)
+    loaded_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _dcp_step(engine, torch.optim.AdamW(model.parameters(), **DCP_OPTIMIZER), second)
+    out["after_fresh_optimizer"] = {n: full(p) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(loaded_params[n])
+    _dcp_step(engine, optimizer, second)
+    out["after"] = {n: full(p) for n, p in model.named_parameters()}
+
+    noisy_model = dcp_noisy_model()
+    noisy = lf.compile(noisy_model, mesh, config=DCP_NOISE, fsdp=("cp",))
+    lf.load_checkpoint(noise_path, noisy, torch.optim.SGD(noisy_model.parameters(), lr=CP_LR))
+    stream = noisy.state_dict()["noise"]["stream"]
+    out["noise_draws_loaded"] = stream["draws"]
+    _noise_step(noisy, case_batches("llama", 1)[0])
+    out["noise_local"] = local_shards(noisy_model, "grad")
+    out["noise_index"] = noisy.sharding.index
+    rewound = NoiseGenerator("cpu", secure=DCP_NOISE.secure_rng, key=stream["key"], stream=noisy.sharding.index)
+    sigma_c = DCP_NOISE.noise_multiplier * DCP_NOISE.max_grad_norm
+    out["noise_rewound"] = rewound.normal(sum(t.numel() for t in out["noise_local"].values()), sigma_c)
+    return out
 
 
 def ring_case(world: int, cp: int, hkv: int, inner: int = 0) -> dict:
@@ -212,6 +295,26 @@ def model_rng() -> dict:
     return {"inside": inside, "after": torch.rand(4)}
 
 
+def dropout() -> dict:
+    """cp=2 in train mode, GPT-2 with embedding dropout (``oracles.gpt2_embedding_dropout``):
+    per-sample gradients from torch seed DROPOUT_SEEDS[0] twice and from DROPOUT_SEEDS[1] once,
+    then one training step (noise 0) from the first seed again."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    model = gpt2_embedding_dropout()
+    engine = lf.compile(model, mesh, config=lf.DPConfig(CP_CLIP, 0.0))
+    ids = case_batches("hf_gpt2", 1)[0]
+    out = {}
+    for name, seed in (("first", DROPOUT_SEEDS[0]), ("first_again", DROPOUT_SEEDS[0]), ("second", DROPOUT_SEEDS[1])):
+        torch.manual_seed(seed)
+        out[name] = engine.per_sample_grads(ids, ids)
+    torch.manual_seed(DROPOUT_SEEDS[0])
+    engine.accumulate(ids, ids)
+    engine.finalize(logical(2))
+    out["clipped"] = grads(model)
+    out["captures"] = engine.captures
+    return out
+
+
 def dead_peer() -> dict:
     """Rank 1 exits after compile; rank 0 must get a clear error within the group's timeout."""
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
@@ -252,20 +355,21 @@ def main():
         for inner in (2, 1):  # two inner rings of 2; four of 1 (the outer ring does every hop)
             record(f"ring-cp4-w{inner}", ring_case, world, 4, 2, inner)
     resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--resume=")]
-    if resume:  # ``cp_worker.py OUT_DIR --resume=PATH``: only the resumed run
-        record("dcp_resume", dcp_resume, resume[0])
+    if resume:  # ``cp_worker.py OUT_DIR --resume=PATH,NOISY_PATH``: only the resumed run
+        record("dcp_resume", dcp_resume, *resume[0].split(","))
         dist.barrier()
         # Interpreter teardown after DCP's load sometimes aborts in a C++ destructor ("terminate
         # called without an active exception", seen once in CI); the results are on disk.
         os._exit(0)
-    only = set(sys.argv[2:])  # by hand: ``cp_worker.py OUT_DIR NAME ...`` runs just those engine cases
+    only = set(sys.argv[2:])  # by hand: ``cp_worker.py OUT_DIR NAME ...`` runs just those engine cases (and dcp_save)
     for name, case in CP_CASES.items():
         if case.world == world and (not only or name in only):
             record(name, engine_case, case)
-    if world == 4 and not only:
+    if world == 4 and (not only or "dcp_save" in only):
         record("dcp_save", dcp_save, sys.argv[1])
     if world == 2:
         record("model_rng", model_rng)
+        record("dropout", dropout)
         record("dead_peer", dead_peer)
         os._exit(0)  # the default group has a dead peer: do not wait for it at teardown
     dist.destroy_process_group()

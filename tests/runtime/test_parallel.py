@@ -14,11 +14,13 @@ import torch
 
 import longshield_fx as lf
 
-from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, case_batches, case_model,
-                     logical)
+from longshield_fx.ops.ring_attention import blocks_per_rank, zigzag_index
+from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, DROPOUT_P, attention_shape,
+                     case_batches, case_model, gpt2_embedding_dropout, logical)
 
 CASES = [pytest.param(name, marks=pytest.mark.torchrun(world), id=name)
          for name, (world, *_) in CP_CASES.items()]
+FULL_CASES = [p for p in CASES if not CP_CASES[p.values[0]].light]  # with the no-overlap and noisy engines
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ def _noise_has_std(r: dict) -> None:
     assert abs(float(noise.mean())) <= 5 * expected / math.sqrt(n)
 
 
-@pytest.mark.parametrize("name", [p for p in CASES if CP_CASES[p.values[0]].fsdp is None])
+@pytest.mark.parametrize("name", [p for p in FULL_CASES if CP_CASES[p.values[0]].fsdp is None])
 def test_noise_is_added_once_per_coordinate(distributed, oracle, name):
     """Same key as the oracle: the same noise, added once (not per rank, shard or replica),
     divided by E[B]; so noisy - clipped / E[B] has std σC/E[B] over the coordinates."""
@@ -175,7 +177,7 @@ def test_training_steps_match_one_process(distributed, oracle, name):
     assert max(moved.values()) > 1e-3  # the steps did move the parameters
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", FULL_CASES)
 def test_overlap_pass_changes_no_bit(distributed, name):
     ranks, *_ = case(distributed, name)
     for rank, r in ranks.items():
@@ -188,11 +190,97 @@ def test_overlap_pass_changes_no_bit(distributed, name):
 def test_checkpointed_matches_plain_context_parallel(distributed, name):
     """Checkpointed vs plain, the same mesh in the same launch: per-sample gradients to 1e-6."""
     ranks, kind, dp, policy, comm = case(distributed, name)
-    plain_name = next(n for n, c in CP_CASES.items() if c == CP_CASES[name]._replace(policy=None))
+    plain_name = next(n for n, c in CP_CASES.items()
+                      if c._replace(light=False) == CP_CASES[name]._replace(policy=None, light=False))
     plain, *_ = case(distributed, plain_name)
     assert ranks[0]["passes"][-1] == "checkpoint" and "checkpoint" not in plain[0]["passes"]
     for rank in ranks:
         assert worst(ranks[rank]["per_sample"], plain[rank]["per_sample"]) <= 1e-6, rank
+
+
+# --- what attention communicates (issue 15) ---------------------------------------------------------
+# The exactness tests above would pass if hp (or the double ring) were silently ignored: one
+# ring over all four ranks computes the same attention. These read what each rank's graph
+# communicates over and what its ring op computed.
+
+def _layout(case) -> tuple[int, int, int]:
+    """(cp, hp, w) of a case: w the inner ring size (cp for one ring)."""
+    cp = case.world // (case.dp * case.hp)
+    return cp, case.hp, case.inner_ring or cp
+
+
+def _groups(case, rank) -> tuple[tuple, tuple]:
+    """(hp group, cp group) of ``rank`` on cp_worker's mesh: dims ("dp", "cp", "hp"), hp
+    innermost, so rank = (d * cp + c) * hp + h."""
+    cp, hp, _ = _layout(case)
+    d, c, h = rank // (cp * hp), rank // hp % cp, rank % hp
+    return (tuple((d * cp + c) * hp + j for j in range(hp)) if hp > 1 else (),
+            tuple((d * cp + j) * hp + h for j in range(cp)) if cp > 1 else ())
+
+
+def expected_attention_bytes(case, T: int = 16) -> dict:
+    """All-to-all and ring bytes per rank and step, from the paper's sizes (LoongTrain 4.5, as
+    ``tests/passes/test_context_parallel.py`` checks them on a fake group): per layer 4 + 4
+    all-to-alls sending (hp-1)/hp of 2 Size(q) + Size(kv) each way; K/V hops of Size(kv)
+    (K and V of one rank's ring shard, K/V heads replicated to hp) cp-1 times forward and
+    backward, plus the backward's fp32 dK/dV accumulators: cp hops around one ring, cp/w more
+    on a double ring. Block checkpointing recomputes each layer's forward ring."""
+    layers, H, Hkv, hd = attention_shape(case.kind)
+    cp, hp, w = _layout(case)
+    sp, fp32 = cp * hp, 4
+    rows = 2 * (3 if case.kind == "llama_units" else 1)  # attention sees a unit's rows as sequences
+    kv_heads = max(Hkv, hp)  # after replication (hp=1: Hkv)
+    size_q = rows * H * (T // sp) * hd * fp32
+    size_kv = 2 * rows * kv_heads * (T // sp) * hd * fp32
+    accumulator_hops = cp + (cp // w if 1 < w < cp else 0)
+    forwards = 2 if case.policy == "block" else 1
+    ring = layers * ((forwards + 1) * (cp - 1) + accumulator_hops) * size_kv if cp > 1 else 0
+    return {"all_to_all": layers * 2 * (2 * size_q + size_kv) * (hp - 1) // hp, "ring_attention": ring}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_attention_trades_heads_over_hp_and_rotates_blocks_around_cp(distributed, name):
+    """Every rank's graph: per layer 8 all-to-alls over its hp group (none without hp), ring
+    ops over its cp group with the case's cp and inner ring (cp=1: no group, no hops), and the
+    bytes of the formulas; at run time its ring op computed the 2cp+1 chunk pairs of a ring
+    of cp ranks in cp kernel calls (a ring over all sp ranks would compute more)."""
+    ranks, *_ = case(distributed, name)
+    c = CP_CASES[name]
+    cp, hp, w = _layout(c)
+    layers = attention_shape(c.kind)[0]
+    expected = expected_attention_bytes(c)
+    for rank, r in ranks.items():
+        hp_group, cp_group = _groups(c, rank)
+        graph = r["attention_collectives"]
+        assert graph["all_to_all"] == [hp_group] * (8 * layers if hp > 1 else 0), rank
+        ring_ops = (3 if c.policy == "block" else 2) * layers
+        assert graph["ring"] == [(cp_group, cp, 0 if w == cp else w)] * ring_ops, rank
+        moved = r["bytes"]
+        assert {k: moved[k] for k in expected} == expected, rank
+        blocks = r["ring_blocks"]
+        assert blocks["forward"] == blocks["backward"] == blocks_per_rank(cp)[rank // hp % cp] == 2 * cp + 1, rank
+        assert blocks["forward_calls"] == blocks["backward_calls"] == cp, rank
+    if hp > 1:
+        assert expected["all_to_all"] > 0
+    if cp == 1:  # Ulysses (hp=4): heads move, no K/V block does
+        assert expected["ring_attention"] == 0 and all(r["bytes"]["ring_attention"] == 0 for r in ranks.values())
+
+
+@pytest.mark.torchrun(4)
+@pytest.mark.parametrize("kind", ["llama", "hf_qwen2"])
+def test_double_ring_adds_the_outer_accumulator_hops_to_the_rings_bytes(distributed, kind):
+    """cp=4 as two inner rings of 2 moves the same K/V hops as one ring of 4 (cp-1 = 3 each way)
+    and its backward's fp32 dK/dV accumulators take cp/w = 2 outer hops per layer on top of the
+    ring's cp = 4: 12 instead of 10 K/V-shard sizes per layer (README: 48 vs 40 MiB); nothing
+    else changes."""
+    single = distributed.check(4, f"cp4-{kind}")[0]["bytes"]
+    double = distributed.check(4, f"cp4w2-{kind}")[0]["bytes"]
+    layers, _, Hkv, hd = attention_shape(kind)
+    accumulators = 2 * 2 * Hkv * (16 // 4) * hd * 4  # fp32 dK and dV of one rank's (B=2, Hkv, T/cp, hd) shard
+    assert double["ring_attention"] - single["ring_attention"] == layers * 2 * accumulators > 0
+    assert 10 * double["ring_attention"] == 12 * single["ring_attention"]
+    assert {k: v for k, v in double.items() if k != "ring_attention"} == \
+        {k: v for k, v in single.items() if k != "ring_attention"}
 
 
 @pytest.mark.torchrun(2)
@@ -209,10 +297,101 @@ def test_each_rank_draws_its_own_dropout_masks_and_ranks_stay_in_step(distribute
     assert torch.equal(r[0]["after"], r[1]["after"])
 
 
+# --- dropout under cp=2 end to end (issue 13): cp_worker's "dropout", GPT-2 with embedding dropout ----
+
+DROPOUT_T = 16  # case_batches' sequence length
+
+
+def kept_entries(per_sample: dict) -> torch.Tensor:
+    """(B, T-1, D) bool: the embedding dropout's keep mask, read off the per-sample gradient of
+    the position embedding (``oracles.gpt2_embedding_dropout``); the last position, which no
+    loss reaches, has none."""
+    return per_sample["lm.transformer.wpe.weight"][:, :DROPOUT_T - 1] != 0
+
+
+@pytest.mark.torchrun(2)
+def test_dropout_under_context_parallelism_is_determined_by_the_torch_seed(distributed):
+    """The same torch seed gives bit-identical per-sample gradients, another seed other masks;
+    every rank holds the same full result; one capture for both graphs."""
+    ranks = distributed.check(2, "dropout")
+    for rank, r in ranks.items():
+        assert bit_identical(r["first"], r["first_again"]), rank
+        assert not torch.equal(kept_entries(r["first"]), kept_entries(r["second"])), rank
+        assert bit_identical(r["first"], ranks[0]["first"]), rank
+        assert r["captures"] == 1, rank
+    kept = kept_entries(ranks[0]["first"]).float().mean()
+    assert abs(float(kept) - (1 - DROPOUT_P)) < 0.1  # the masks were read right: p of the entries dropped
+
+
+@pytest.mark.torchrun(2)
+def test_each_cp_rank_drops_its_own_pattern_on_its_tokens(distributed):
+    """Rank 0 holds positions 0-3 and 12-15 (zig-zag), rank 1 4-11: their masks, in each rank's
+    own token order, are independent (they differ on about 2p(1-p) = half the entries); one
+    stream shared by the ranks would drop the same pattern on both."""
+    kept = kept_entries(distributed.check(2, "dropout")[0]["first"])
+    local = [kept[:, zigzag_index(DROPOUT_T, 2, rank)[:7]] for rank in (0, 1)]  # rank 0's 8th is T-1
+    assert float((local[0] != local[1]).float().mean()) > 0.3
+
+
+class KeepMask(torch.nn.Module):
+    """Dropout with a given keep mask (B, T, D), scaled like ``nn.Dropout``: x * mask / (1 - p)."""
+
+    def __init__(self, kept: torch.Tensor, p: float):
+        super().__init__()
+        self.kept, self.p = kept, p
+
+    def forward(self, x):
+        return x * self.kept / (1 - self.p)
+
+
+@pytest.mark.torchrun(2)
+def test_dropout_under_context_parallelism_matches_one_process_with_the_same_masks(distributed):
+    """One process, the masks the two ranks drew put back in place of the embedding dropout:
+    its per-sample gradients (one backward per sample) equal the cp=2 ones, and the cp=2
+    training step's clipped sum (same seed, so the same masks) equals its clipped sum."""
+    ranks = distributed.check(2, "dropout")
+    ours = ranks[0]["first"]
+    ids = case_batches("hf_gpt2", 1)[0]
+    B, D = ids.shape[0], ours["lm.transformer.wpe.weight"].shape[-1]
+    kept = torch.ones(B, DROPOUT_T, D)
+    kept[:, :DROPOUT_T - 1] = kept_entries(ours).float()
+    model = gpt2_embedding_dropout()
+    model.lm.transformer.drop = KeepMask(kept, DROPOUT_P)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses = model(ids, ids)
+    rows = [torch.autograd.grad(losses[b], params, retain_graph=True) for b in range(B)]
+    ref = {n: torch.stack([row[i] for row in rows]) for i, n in enumerate(names)}
+    assert set(ours) == set(ref)
+    for n in ref:
+        torch.testing.assert_close(ours[n], ref[n], atol=1e-5, rtol=1e-4, msg=n)
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    factor = (CP_CLIP / (norms + 1e-6)).clamp(max=1.0)
+    assert bool((factor < 1).any())  # the step clipped something
+    clipped = {n: torch.einsum("b,b...->...", factor, g) for n, g in ref.items()}
+    for rank, r in ranks.items():
+        assert worst(r["clipped"], clipped) <= 1e-6, rank
+
+
+def _pairs(noise: dict) -> torch.Tensor:
+    """Every two consecutive values within each tensor, as one int64 of their float32 bits: a
+    reused nonce repeats the stream's values in order, so its pairs come back (two values
+    colliding by chance: ~1e-15)."""
+    keys = []
+    for t in noise.values() if isinstance(noise, dict) else [noise]:
+        bits = t.detach().float().flatten().view(torch.int32).long()
+        keys.append((bits[:-1] << 32) | (bits[1:] & 0xFFFFFFFF))
+    return torch.cat(keys)
+
+
 @pytest.mark.torchrun(4)
 def test_a_sharded_run_saved_on_4_ranks_resumes_on_2(distributed, tmp_path):
     """DCP: ZeRO-3 over dp=2 x cp=2 saves after one AdamW step; a 2-rank run (cp=2, ZeRO-3 over
-    both) loads it, re-sharded, and its next step equals the uninterrupted 4-rank run's."""
+    both) loads it, re-sharded: its AdamW state is the saved one, bit for bit, and its next step
+    (on other batches than the first) equals the uninterrupted 4-rank run's, where a fresh
+    AdamW from the same parameters steps elsewhere (so the state did decide the step). With
+    noise on (the engine's secret stream), the draws after the resume on 2 shards repeat none
+    of the 4 shards' draws before the save, where a stream rewound to its first nonce would."""
     import os
     import subprocess
     import sys
@@ -222,14 +401,31 @@ def test_a_sharded_run_saved_on_4_ranks_resumes_on_2(distributed, tmp_path):
     worker = Path(__file__).parent / "cp_worker.py"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(worker), str(tmp_path), f"--resume={saved[0]['path']}"],
+                           str(worker), str(tmp_path), f"--resume={saved[0]['path']},{saved[0]['noise_path']}"],
                           capture_output=True, text=True, env=env, timeout=600)
     results = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)
                if (tmp_path / f"rank{r}.pt").exists()}
     assert proc.returncode == 0 and len(results) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tolerance = 1e-5
+    before_save = torch.cat([_pairs(s["noise_local"]) for s in saved.values()])
+    assert sorted(s["noise_index"] for s in saved.values()) == [0, 1, 2, 3]
     for rank, r in results.items():
         resumed = r["dcp_resume"]
         assert resumed["steps_loaded"] == 1, rank  # the accountant came back too
-        assert worst(resumed["after"], saved[0]["after"]) <= 1e-5, rank
+        loaded, at_save = resumed["optimizer_loaded"], saved[0]["optimizer_saved"]
+        assert set(loaded) == set(at_save), rank
+        for name, state in at_save.items():
+            assert set(state) == {"exp_avg", "exp_avg_sq", "step"}, name
+            assert all(torch.equal(loaded[name][k], v) for k, v in state.items()), (rank, name)
+        assert worst(resumed["after"], saved[0]["after"]) <= tolerance, rank
+        assert worst(resumed["after_fresh_optimizer"], saved[0]["after"]) > 100 * tolerance, rank
+
+        assert resumed["noise_index"] == rank and resumed["noise_draws_loaded"] == 1, rank
+        reused = torch.isin(_pairs(resumed["noise_local"]), before_save).double().mean()
+        assert reused == 0, f"shard {rank} re-drew {float(reused):.1%} of the noise drawn before the save"
+        rewound = torch.isin(_pairs(resumed["noise_rewound"]), before_save).double().mean()
+        assert rewound > 0.25, rewound  # the control: a stream from nonce 0 repeats shard `rank`'s draws
+    for name, state in saved[0]["optimizer_saved"].items():  # the state is not trivially zero
+        assert float(state["exp_avg_sq"].max()) > 0, name
     moved = max(float((saved[0]["after"][n] - p).abs().max()) for n, p in case_model("llama").named_parameters())
     assert moved > 1e-3
