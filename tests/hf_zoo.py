@@ -4,8 +4,10 @@ loop. Used by tests/models/test_hf_zoo.py; ``python tests/hf_zoo.py`` prints the
 
 A tiny config is the architecture's default config with the common size fields shrunk (and
 MoE experts run by transformers' fixed-shape ``batched_mm`` implementation, whose shapes do
-not depend on the routing). An architecture whose tiny config does not build or whose eager
-forward fails is listed as "no tiny config" with the reason: it says nothing about us.
+not depend on the routing), fields the config computes itself left to it, and a short table
+of per-architecture fixes (``OVERRIDES``, each with why). An architecture whose tiny config
+does not build, or whose own eager forward or backward fails, is listed as "no tiny config"
+with the reason: it says nothing about us (a failure of our loss around it is a crash).
 
 One decoder layer where that one layer has every part of the two-layer model, else two
 (``layers_needed``): capture traces every layer, so the layer count is most of the zoo's time
@@ -16,6 +18,7 @@ MAX_PARAMS parameters) is "no tiny config" without building it (a minute of init
 from __future__ import annotations
 
 import copy
+import inspect
 import signal
 import sys
 import time
@@ -30,17 +33,46 @@ from longshield_fx.errors import UnsupportedModelError
 B, T, VOCAB, CLIP = 2, 12, 128, 0.5
 TINY = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64, max_position_embeddings=64, head_dim=8)
-# Applied only where the default config has the field (MoE, MLA attention).
+# Applied only where the default config has the field (MoE, MLA attention, the attention heads
+# of encoder-decoders, partial rotary, the Mamba heads of hybrids).
 TINY_IF_PRESENT = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        n_routed_experts=4, shared_expert_intermediate_size=16, n_shared_experts=1,
                        n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, vocab_size_per_layer_input=VOCAB,
-                       hidden_size_per_layer_input=8)
+                       hidden_size_per_layer_input=8, decoder_attention_heads=4, encoder_attention_heads=4,
+                       rotary_dim=4, mamba_n_heads=4)
 # Layer counts besides num_hidden_layers, where the default config has the field: the decoder
 # of an encoder-decoder (bart's 12 by default) gets the layer count; the dense layers before
 # the first MoE layer get one fewer (two layers: a dense one, then the MoE one; one: the MoE one).
-DECODER_LAYERS = ("decoder_layers",)
+DECODER_LAYERS = ("decoder_layers", "num_decoder_layers")
 DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
+# What the generic shrinking cannot know about one architecture, each with why.
+OVERRIDES = {
+    "deepseek_v2": dict(num_experts_per_tok=2),  # None by default (so not "present"); routing needs it
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),  # None by default, as above
+    "zaya": dict(num_experts_per_tok=1),  # its validator: top-1 routing only
+    "mamba2": dict(num_heads=8, head_dim=8),  # its validator: heads x head_dim = expand (2) x hidden_size
+    "xlnet": dict(d_head=8),  # its validator: d_head = hidden_size / heads
+    "prophetnet": dict(num_encoder_layers=1),  # layers are set here (num_hidden_layers refuses a value)
+    "xmod": dict(default_language="en_XX"),  # its forward asks which language's adapter to run
+    # Its rotary embedding reads parameters per attention kind; the default config has none.
+    "cohere_compass_text": dict(rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                                 for kind in ("full_attention", "sliding_attention")}),
+    # Its LM head asks for the causal (decoder) mode; the axial position embedding's widths must
+    # sum to hidden_size; hashing with a fixed seed (else every forward draws its own rotations).
+    "reformer": dict(is_decoder=True, axial_pos_embds_dim=[16, 16], axial_pos_shape=[8, 8], hash_seed=0),
+    # Layer kinds, two layers with every kind of the full-depth model: the default pattern cut to
+    # two layers is all Mamba / recurrent for the hybrids, missing (lfm2_moe), or derived for
+    # the full depth whatever the layer count (gpt_neo, zamba).
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "zamba": dict(layers_block_type=["hybrid", "hybrid"]),  # one shared attention block, tied across its uses
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"]),
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),  # Mamba, then attention (+ its MoE: odd layers)
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+}
 BUILD_SECONDS = 60
 # A tiny config has 1e4-1e5 parameters (git's unused default vision tower: 9e7). Over this, a
 # default sub-config did not shrink (2.7e9 for gemma3's text model): initializing it takes up to
@@ -69,6 +101,8 @@ def tiny_config(model_type: str, layers: int = 2):
     over = dict(TINY, num_hidden_layers=layers, attn_implementation="sdpa", experts_implementation="batched_mm")
     present = dict(TINY_IF_PRESENT, **{k: layers for k in DECODER_LAYERS}, **{k: layers - 1 for k in DENSE_FIRST})
     over.update({k: v for k, v in present.items() if getattr(default, k, None) is not None})
+    over.update(OVERRIDES.get(model_type, {}))
+    over = {k: v for k, v in over.items() if _settable(default, k)}
     if layers == 1:
         over.update({k: v[-1:] for k, v in _per_layer_kinds(tiny_config(model_type, 2)).items()})
     over.update({k: 0.0 for k, v in vars(default).items() if ("dropout" in k or k.endswith("pdrop"))
@@ -81,12 +115,25 @@ def tiny_config(model_type: str, layers: int = 2):
     if getattr(cfg, "qk_rope_head_dim", None):  # multi-head latent attention: RoPE spans the rope dims only,
         cfg.head_dim = cfg.qk_rope_head_dim  # and every head has its own latent K/V
         cfg.num_key_value_heads = cfg.num_attention_heads
-    if isinstance(getattr(cfg, "layer_types", None), list):
+    if isinstance(getattr(cfg, "layer_types", None), list) and _settable(cfg, "layer_types"):
         cfg.layer_types = cfg.layer_types[:layers]
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= VOCAB:
             setattr(cfg, k, 0)
     return cfg
+
+
+def _settable(config, field: str) -> bool:
+    """Whether the config takes a value for ``field``: not one it computes (a property without a
+    setter: mamba's layer_types, xlstm's v_head_dim) or refuses (xlnet's max_position_embeddings)."""
+    attr = inspect.getattr_static(type(config), config.attribute_map.get(field, field), None)
+    if not isinstance(attr, property):
+        return True
+    try:
+        setattr(copy.deepcopy(config), field, getattr(config, field))
+    except (AttributeError, NotImplementedError):
+        return False
+    return True
 
 
 def _per_layer_kinds(cfg) -> dict:
@@ -198,25 +245,26 @@ def run(model_type: str) -> Outcome:
     try:
         layers = layers_needed(model_type)
         try:
-            model, ids, labels, ref = _eager(model_type, layers)
+            model, ids, labels = _eager(model_type, layers)
         except _Timeout:
             raise
         except Exception:
             if layers == 2:
                 raise
             # One layer may fail where two run (rwkv's init divides by layers - 1): two decide.
-            model, ids, labels, ref = _eager(model_type, 2)
-    except Exception as e:  # the architecture, not us: its own eager forward does not run
+            model, ids, labels = _eager(model_type, 2)
+    except Exception as e:  # the architecture, not us: its own eager forward or backward does not run
         return Outcome("no tiny config", f"{type(e).__name__}: {_first_line(e)}")
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     try:
-        err = _error(model, ids, labels, ref)
+        ref = loop_per_sample_grads(model, ids, labels)
+        err = error_of_ours(model, ids, labels, ref)
         if err > 1e-5:
             model = model.double()
             ref = loop_per_sample_grads(model, ids, labels)
-            fp64 = _error(model, ids, labels, ref)
+            fp64 = error_of_ours(model, ids, labels, ref)
             # 1e-6: the clip factor is rounded to fp32 whatever the compute dtype (passes/clip.py).
             # A model that casts to fp32 inside (DeepSeek-V4's hyper-connections) rounds in fp32
             # even as a double model: its own batched gradient then differs from the loop's sum,
@@ -233,22 +281,28 @@ def run(model_type: str) -> Outcome:
 
 
 def _eager(model_type: str, layers: int):
-    """The model, the batch and the oracle's per-sample gradients."""
+    """The model and the batch, once the architecture's own forward and backward ran on the whole
+    batch (as we capture it). Only that failing means "no tiny config": a failure of our
+    ``CausalLMLoss`` around it, from the oracle on, is a crash."""
     model = build(model_type, layers)
     ids, labels = batch()
-    with torch.no_grad():
-        model(ids, labels)  # the whole batch, as we capture it
-    return model, ids, labels, loop_per_sample_grads(model, ids, labels)
+    logits = model.lm(ids, use_cache=False).logits
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.autograd.grad(logits.float().sum(), params, allow_unused=True)
+    return model, ids, labels
 
 
-def _error(model, ids, labels, ref) -> float:
+def error_of_ours(model, ids, labels, ref) -> float:
+    """The worst relative error of our per-sample gradients and of our flat-clipped sum (one
+    noiseless step: ``accumulate`` then ``finalize``, into ``.grad``) against the oracle's
+    per-sample gradients ``ref`` and their clipped sum."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dtype = next(model.parameters()).dtype
         engine = lf.compile(model, config=lf.DPConfig(CLIP, 0.0, compute_dtype=dtype))
         ours = engine.per_sample_grads(ids, labels)  # both graphs rewrite one capture
         engine.accumulate(ids, labels)
-        engine.finalize(_logical())
+        engine.finalize(_logical(ids.shape[0]))
     clipped = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     return max(relative_error(ours, ref), relative_error(clipped, clipped_sum(ref, CLIP)))
 
@@ -262,9 +316,10 @@ def _own_rounding(model, ids, labels, ref) -> float:
     return relative_error(batched, {n: r.sum(0) for n, r in ref.items()})
 
 
-def _logical():
+def _logical(size: int):
+    """The whole batch as one logical batch, the sum not divided (expected size 1)."""
     from longshield_fx.data import LogicalBatch
-    return LogicalBatch(size=B, indices=torch.arange(B), physical=[], sample_rate=1.0, expected_size=1.0)
+    return LogicalBatch(size=size, indices=torch.arange(size), physical=[], sample_rate=1.0, expected_size=1.0)
 
 
 def _first_line(e: BaseException) -> str:

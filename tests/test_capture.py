@@ -125,3 +125,68 @@ def test_longcat_flash_fixed_shape_experts_equal_the_eager_loop(zero_experts):
     for a, b in zip(fixed_grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert fixed_grads[3][2].abs().sum() == 0 and fixed_grads[2][2:].abs().sum() == 0  # expert 2, zero experts
+
+
+def test_jetmoe_fixed_shape_experts_equal_the_sort_and_group():
+    """The capture's stand-in for JetMoE's sort-and-group experts (MLP experts, and the attention
+    experts' map / reduce): same outputs and gradients, an expert no token chose included."""
+    transformers = pytest.importorskip("transformers")
+    from longshield_fx._transformers import fixed_shape_experts
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoA, JetMoeMoE
+    cfg = transformers.JetMoeConfig(hidden_size=6, intermediate_size=5, num_local_experts=4, num_experts_per_tok=2,
+                                    kv_channels=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList([JetMoeMoE(cfg), JetMoeMoA(cfg)]).double()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    with torch.no_grad():  # expert 3 never wins: its router row is far below the others
+        for moe in experts:
+            moe.router.layer.weight[3] = -100.0
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 5, 6, generator=g, dtype=torch.float64) + 3.0).requires_grad_()
+    scores = torch.randn(2, 5, 2, 4, generator=g, dtype=torch.float64)  # stands in for attention
+
+    def run():
+        mlp = experts[0](x)
+        queries, _, topology = experts[1].map(x)
+        attention = experts[1].reduce(queries * scores, topology)
+        grads = torch.autograd.grad(mlp.pow(2).sum() + attention.pow(2).sum(), [x, *experts.parameters()])
+        return (mlp, queries, attention), grads
+
+    eager, eager_grads = run()
+    with fixed_shape_experts(experts):
+        assert "forward" in vars(experts[0]) and {"map", "reduce"} <= set(vars(experts[1]))
+        fixed, fixed_grads = run()
+    assert not {"forward", "map", "reduce"} & (set(vars(experts[0])) | set(vars(experts[1])))
+    for a, b in zip(fixed + fixed_grads, eager + eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    unused = [g for (name, _), g in zip(experts.named_parameters(), fixed_grads[1:]) if "_linear" in name]
+    assert all(g[3].abs().sum() == 0 for g in unused)
+
+
+def test_xmod_language_adapters_without_moving_rows_equal_the_eager_masking():
+    """The capture's stand-in for X-MOD's language adapters (rows gathered by a boolean mask over
+    the batch, written back): same output and gradients, each row through its own language's."""
+    transformers = pytest.importorskip("transformers")
+    from longshield_fx._transformers import fixed_shape_experts
+    from transformers.models.xmod.modeling_xmod import XmodOutput
+    cfg = transformers.XmodConfig(hidden_size=8, intermediate_size=12, languages=["en_XX", "de_DE", "fr_XX"],
+                                  hidden_dropout_prob=0.0)
+    torch.manual_seed(0)
+    output = XmodOutput(cfg).double()
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(4, 3, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    residual = torch.randn(4, 3, 8, generator=g, dtype=torch.float64)
+    lang_ids = torch.tensor([2.0, 0.0, 2.0, 0.0])  # no row of language 1
+
+    def run():
+        out = output(hidden, residual, lang_ids)
+        return out, torch.autograd.grad(out.pow(2).sum(), [hidden, *output.parameters()])
+
+    eager, eager_grads = run()
+    with fixed_shape_experts(output):
+        fixed, fixed_grads = run()
+    assert "lang_adapter" not in vars(output)
+    torch.testing.assert_close(fixed, eager, rtol=1e-12, atol=1e-12)
+    for a, b in zip(fixed_grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

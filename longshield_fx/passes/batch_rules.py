@@ -200,7 +200,9 @@ def _tri(node, B):
 
 
 def _contraction(labels_a: str, labels_b: str, labels_out: str, a: fx.Node, b: fx.Node) -> BatchDim:
-    """Batch tag of a matmul-like op given einsum labels of its operands."""
+    """Batch tag of a matmul-like op given einsum labels of its operands. Each output entry
+    along a kept label comes from the same entry of the operands, so rows tiled in blocks
+    stay as they were (``outer``)."""
     placed = set()
     for labels, x in ((labels_a, a), (labels_b, b)):
         tag = batch_dim(x)
@@ -209,11 +211,11 @@ def _contraction(labels_a: str, labels_b: str, labels_out: str, a: fx.Node, b: f
         label = labels[tag.dim]
         if label not in labels_out:
             raise Mixing("contracts over the batch dimension")
-        placed.add((label, tag.inner))
+        placed.add((label, tag.inner, tag.outer))
     if len(placed) != 1:
         raise Mixing("multiplies two samples' data together")
-    label, inner = placed.pop()
-    return BatchDim(labels_out.index(label), inner)
+    label, inner, outer = placed.pop()
+    return BatchDim(labels_out.index(label), inner, outer)
 
 
 def _contraction_aligned(labels_a: str, labels_b: str, labels_out: str, first: int = 0):
@@ -221,12 +223,30 @@ def _contraction_aligned(labels_a: str, labels_b: str, labels_out: str, first: i
     def aligned(node, tag, B):
         label = labels_out[tag.dim]
         operands = ((labels_a, node.args[first]), (labels_b, node.args[first + 1]))
-        return [(x, labels.index(label), tag.inner) for labels, x in operands
+        return [_block_rows(x, labels.index(label), tag, B) for labels, x in operands
                 if batch_dim(x) is None and label in labels]
     return aligned
 
 
-@register_batch_rule(aten.mm.default, aligned=_contraction_aligned("mk", "kn", "mn"))
+def _block_rows(x: fx.Node, dim: int, tag: BatchDim, B: int) -> tuple:
+    """``(tensor, dim, inner)`` to check for row variation where untagged ``x`` meets the batch
+    at ``dim``. Where the rows are tiled in blocks (a per-head weight broadcast over the batch
+    and folded with it into bmm's group dim: Zamba's per-head Mamba projections), ``x`` may
+    differ from block to block, not from sample to sample within one: when ``x`` is a view of
+    (blocks, rows), the rows dim is checked. Otherwise ``x`` itself, which then must not differ
+    along ``dim`` at all but with a period dividing ``inner``. Looks through transposes (the
+    backward's ``w.transpose(-1, -2)``)."""
+    view = x
+    while tag.outer != 1 and view.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+        view, dim = view.args[0], permutation(view)[dim]
+    if tag.outer != 1 and view.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        shape = list(val(view).shape)
+        if list(val(view.args[0]).shape) == shape[:dim] + [tag.outer, B * tag.inner] + shape[dim + 1:]:
+            return view.args[0], dim + 1, tag.inner
+    return x, dim, tag.inner
+
+
+@register_batch_rule(aten.mm.default, aligned=_contraction_aligned("mk", "kn", "mn"), outer=True)
 def _mm(node, B):
     return _contraction("mk", "kn", "mn", node.args[0], node.args[1])
 
@@ -236,14 +256,14 @@ def _addmm_aligned(node, tag, B):
     return bias + _contraction_aligned("mk", "kn", "mn", first=1)(node, tag, B)
 
 
-@register_batch_rule(aten.addmm.default, aligned=_addmm_aligned)
+@register_batch_rule(aten.addmm.default, aligned=_addmm_aligned, outer=True)
 def _addmm(node, B):
     if batch_dim(node.args[0]) is not None:
         raise Mixing("adds a per-sample bias")  # never produced by nn.Linear
     return _contraction("mk", "kn", "mn", node.args[1], node.args[2])
 
 
-@register_batch_rule(aten.bmm.default, aligned=_contraction_aligned("bmk", "bkn", "bmn"))
+@register_batch_rule(aten.bmm.default, aligned=_contraction_aligned("bmk", "bkn", "bmn"), outer=True)
 def _bmm(node, B):
     return _contraction("bmk", "bkn", "bmn", node.args[0], node.args[1])
 

@@ -4,12 +4,15 @@ Rewrites: the backward ops that reduce a weight gradient over the batch (found b
 ``batch_dims`` tags, matched on aten ops through views) into ops that keep the batch:
 
 - ``mm(t(grad2d), act2d)`` over folded (B*T) rows -> ``einsum("btp,btd->bpd")`` on the
-  un-folded (B, T, ·) tensors (linear weights, either orientation);
+  un-folded (B, T, ·) tensors (linear weights, either orientation); rows tiled in blocks
+  (a (T, B) layout folded into T*B rows) are regrouped per sample first, and an operand
+  that holds no sample (a linear layer applied to a constant) is paired row by row;
 - ``sum`` over the batch (biases, RMSNorm weights) -> the same sum over T only;
 - ``native_layer_norm_backward`` weight/bias -> sums over T of ``grad * x_hat`` / ``grad``;
 - ``embedding_dense_backward`` -> sparse rows: token ids (B, n) and gradient rows (B, n, H),
   so no (B, V, H) tensor is made for a large vocabulary; ``index_put`` into a table read at
-  per-token indices (MoE expert weights ``w[expert_ids]``) the same way;
+  per-token indices (MoE expert weights ``w[expert_ids]``, or positions shared by the samples
+  and laid out per row) the same way;
 - ``bmm`` over groups (grouped linear) -> an einsum that keeps the batch; a convolution's
   weight gradient -> one grouped ``convolution_backward`` with the batch folded into groups;
 - the ops between such a reduction and the parameter's gradient output (views,
@@ -38,7 +41,7 @@ import torch.fx as fx
 
 from ..errors import UnsupportedModelError
 from ._context import PER_SAMPLE_GRAD, PER_SAMPLE_RULE, PassContext
-from ._graph import GraphBuilder, is_pointwise, module_of, val
+from ._graph import CONSTANT_LIKE, GraphBuilder, is_pointwise, module_of, val
 from .batch_dims import BatchDim, batch_dim
 
 aten = torch.ops.aten
@@ -218,13 +221,14 @@ class Rewriter:
 
 
 def _batch_derived(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose values depend on per-sample data; a constant-like op (``new_zeros``,
+    ``zeros_like``) reads only its input's shape, so its output holds no sample."""
     derived = set()
     for node in graph.nodes:
         if batch_dim(node) is not None:
             derived.add(node)
-        else:
-            if any(i in derived for i in node.all_input_nodes):
-                derived.add(node)
+        elif node.target not in CONSTANT_LIKE and any(i in derived for i in node.all_input_nodes):
+            derived.add(node)
     return derived
 
 

@@ -33,11 +33,58 @@ def _contraction(labels_a: str, labels_b: str, labels_out: str):
             if b in rw.batch_derived and a not in rw.batch_derived:
                 return _dense(rw, node, rw.call(aten.matmul.default, a, _input_rep(rw, node, b)))
             raise UnsupportedModelError(f"parameter {rw.param!r}: product of two gradient pieces at {node.name}")
+        a, b = _pair_shared_rows(rw, a, labels_a, b, labels_b)
+        tags = [_operand_tag(x, labels) for x, labels in ((a, labels_a), (b, labels_b))]
+        if all(tags) and tags[0][0] == tags[1][0] == "k" and tags[0][1].at(0) != tags[1][1].at(0):
+            raise UnsupportedModelError(
+                f"parameter {rw.param!r}: {node.name} pairs rows of operands whose samples are laid out "
+                f"differently ({tags[0][1]}, {tags[1][1]})")
         operands = [_contracted_operand(rw, node, x, labels) for x, labels in ((a, labels_a), (b, labels_b))]
         (xa, la), (xb, lb) = operands
         return _dense(rw, node, rw.call(aten.einsum.default, f"{la},{lb}->b{labels_out}", [xa, xb]))
 
     return rule
+
+
+def _pair_shared_rows(rw: Rewriter, a: fx.Node, labels_a: str, b: fx.Node, labels_b: str) -> tuple:
+    """Where one operand holds the batch on the contracted dim and the other holds no sample
+    (a linear layer applied to a constant, ZAYA's ``v_proj(zeros)`` for the first token's
+    delayed value), the contraction pairs their rows by index: sample b's part of the sum is
+    over b's rows of both. The shared operand is tagged like its partner so both unfold alike."""
+    tags = [_operand_tag(x, labels) for x, labels in ((a, labels_a), (b, labels_b))]
+    for i, (x, labels) in enumerate(((a, labels_a), (b, labels_b))):
+        partner = tags[1 - i]
+        if tags[i] is None and partner is not None and partner[0] == "k" and x not in rw.batch_derived:
+            shared = _tagged_copy(rw, x, partner[1].at(labels.index("k")))
+            return (shared, b) if i == 0 else (a, shared)
+    return a, b
+
+
+def _tagged_copy(rw: Rewriter, x: fx.Node, tag: BatchDim) -> fx.Node:
+    """A contiguous copy of ``x``, which holds no sample, tagged ``tag``: the layout of the
+    per-sample tensor it is paired with element by element, so ``unfold`` splits both alike."""
+    out = rw.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+    out.meta["batch_dim"] = tag
+    return out
+
+
+def _sample_major(rw: Rewriter, x: fx.Node, tag: BatchDim) -> fx.Node:
+    """Rows tiled in blocks, (outer, B, inner) (XLNet's (T, B) layout folded into T*B rows), as
+    (B, outer * inner) in x's place: each sample's rows together, like an untiled (B, T)."""
+    shape, d = list(val(x).shape), tag.dim
+    split = rw.call(aten.reshape.default, x, shape[:d] + [tag.outer, rw.B, tag.inner] + shape[d + 1:])
+    leading = rw.call(aten.clone.default, rw.call(aten.movedim.int, split, d + 1, 0),
+                      memory_format=torch.contiguous_format)
+    return rw.call(aten.view.default, leading, [rw.B] + shape[:d] + [tag.outer * tag.inner] + shape[d + 1:])
+
+
+def _operand_tag(x: fx.Node, labels: str) -> tuple[str, BatchDim] | None:
+    """(label of the batch dim, tag) of an operand, looking through a transpose of a tagged tensor."""
+    if x.target in (aten.t.default, aten.transpose.int, aten.permute.default) and batch_dim(x.args[0]) is not None:
+        perm = permutation(x)
+        return labels[perm.index(batch_dim(x.args[0]).dim)], batch_dim(x.args[0])
+    tag = batch_dim(x)
+    return None if tag is None else (labels[tag.dim], tag)
 
 
 def _contracted_operand(rw: Rewriter, node: fx.Node, x: fx.Node, labels: str) -> tuple[fx.Node, str]:
@@ -50,6 +97,8 @@ def _contracted_operand(rw: Rewriter, node: fx.Node, x: fx.Node, labels: str) ->
         raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} contracts per-sample data with shared data")
     if labels[tag.dim] != "k":
         raise UnsupportedModelError(f"parameter {rw.param!r}: {node.name} keeps the batch in an output dim")
+    if tag.outer != 1:
+        return _sample_major(rw, x, tag), "b" + labels[: tag.dim] + "t" + labels[tag.dim + 1:]
     xu, _ = rw.unfold(x)
     return xu, "b" + labels[: tag.dim] + ("t" if tag.inner != 1 else "") + labels[tag.dim + 1:]
 
@@ -123,10 +172,15 @@ _ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
 @per_sample_rule(aten.index_put.default, aten._index_put_impl.default, name="indexed_rows")
 def _index_put(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     """A table read at per-sample indices (``w[ids]``, e.g. MoE expert weights): its gradient
-    adds each read's gradient into the row it read, kept as sparse rows per sample."""
+    adds each read's gradient into the row it read, kept as sparse rows per sample. Ids shared
+    by the samples but laid out per row (Whisper's positions ``arange(T)`` repeated over the
+    batch) pair element by element with the per-sample gradient rows they add."""
     table, indices, values = node.args[:3]
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
     ids = indices[0] if len(indices) == 1 else None
+    if accumulate and ids is not None and batch_dim(ids) is None and batch_dim(values) is not None \
+            and batch_dim(values).dim < val(ids).dim() and val(ids).shape == val(values).shape[:val(ids).dim()]:
+        ids = _tagged_copy(rw, ids, batch_dim(values))
     if not accumulate or ids is None or batch_dim(ids) is None or batch_dim(values) is None:
         raise UnsupportedModelError(
             f"parameter {rw.param!r}: {node.name} writes into the gradient other than by adding rows at "

@@ -29,11 +29,39 @@ class Variation:
     """Entries differ along a dimension, as a function of its index modulo ``period``.
 
     ``period`` divides the dimension's size (the size itself: no known structure);
-    ``origin`` names the op that made them differ, for error messages.
+    ``origin`` names the op that made them differ, for error messages. ``digits``, where
+    set, says more: the entries depend on the index i only through ``(i // lo) % (hi // lo)``
+    for each ``(lo, hi)`` (digits of i in a mixed radix, ``hi`` = ``period`` the largest),
+    e.g. ``((2, 48),)`` for (24 positions, 2 batch rows) folded into 48 rows: the positions
+    differ, the batch rows do not. ``period`` alone stays a sound summary: a dependence on
+    i modulo it.
     """
 
     period: int
     origin: str
+    digits: tuple | None = None
+
+    @property
+    def ranges(self) -> tuple:
+        """The ``(lo, hi)`` digit ranges the entries depend on."""
+        return self.digits or ((1, self.period),)
+
+
+def _from_ranges(ranges, size: int, origin: str) -> Variation:
+    """The variation along a dim of ``size`` that depends on these digit ranges (joined where one
+    ends where the next begins). Ranges that do not fit the dim's mixed radix (``lo`` not dividing
+    ``hi``, ``hi`` not dividing ``size``) or overlap make the dim vary with no known structure."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if hi % lo or size % hi or (merged and lo < merged[-1][1]):
+            return Variation(size, origin)
+        if merged and lo == merged[-1][1]:
+            merged[-1][1] = hi
+        else:
+            merged.append([lo, hi])
+    period = merged[-1][1]
+    return Variation(period, origin) if merged[0][0] == 1 and len(merged) == 1 else \
+        Variation(period, origin, tuple(map(tuple, merged)))
 
 
 def varies(node) -> dict[int, Variation]:
@@ -86,7 +114,9 @@ def variation(node: fx.Node) -> dict[int, Variation]:
 
 def _join(a: Variation | None, b: Variation) -> Variation:
     # Both periods divide the size, so their lcm does too.
-    return b if a is None else Variation(math.lcm(a.period, b.period), a.origin)
+    if a is None or a == b:
+        return b
+    return Variation(math.lcm(a.period, b.period), a.origin)
 
 
 @_variation_rule(aten.full.default, aten.ones.default, aten.zeros.default, aten.empty.memory_format,
@@ -110,25 +140,32 @@ def _broadcast_variation(node):
 def _reshape_variation(node):
     """A reshape maps runs of input dims onto runs of output dims with the same product.
 
-    Within a run, the entries depend on the flat index modulo ``period`` (the first varying
-    input dim's period times the sizes after it); an output dim whose stride is a multiple
-    of it is uniform, e.g. the B part of (1, T) expanded to (B, T) and viewed as (B*T,).
+    Within a run, each varying input dim's digit ranges are ranges of the run's flat index
+    (scaled by the sizes after it); an output dim depends on the part of them within its own
+    span of that index, so one whose span misses them all is uniform: the B part of (1, T)
+    expanded to (B, T) and viewed as (B*T,), or of (T, B) viewed as (T*B,) and back.
     """
     a, b = list(val(node.args[0]).shape), list(val(node).shape)
     if 0 in a or math.prod(a) != math.prod(b):
         return _everywhere(node)
     vin, out = varies(node.args[0]), {}
     for run_a, run_b in _runs(a, b):
-        first = next((k for k, d in enumerate(run_a) if d in vin), None)
-        if first is None:
-            continue
-        v = vin[run_a[first]]
-        period = v.period * math.prod(a[d] for d in run_a[first + 1:])
+        flat, stride = [], 1
+        for d in reversed(run_a):
+            if d in vin:
+                flat += [(lo * stride, hi * stride, vin[d].origin) for lo, hi in vin[d].ranges]
+            stride *= a[d]
         stride = 1
         for e in reversed(run_b):
-            if b[e] > 1 and stride % period:
-                q = period // stride if period % stride == 0 else b[e]
-                out[e] = Variation(q if b[e] % q == 0 else b[e], v.origin)
+            span = (stride, stride * b[e])
+            mine = [(max(lo, span[0]), min(hi, span[1]), origin) for lo, hi, origin in flat
+                    if max(lo, span[0]) < min(hi, span[1])]
+            if mine and b[e] > 1:
+                origin = mine[0][2]
+                if any(lo % stride or hi % stride for lo, hi, _ in mine):  # not aligned to the dim's digits
+                    out[e] = Variation(b[e], origin)
+                else:
+                    out[e] = _from_ranges([(lo // stride, hi // stride) for lo, hi, _ in mine], b[e], origin)
             stride *= b[e]
     return out
 
@@ -188,6 +225,26 @@ def _pad_variation(node):
         d = len(shape) - 1 - i
         if (pad[2 * i] or pad[2 * i + 1]) and shape[d] > 1:
             out[d] = Variation(shape[d], out[d].origin if d in out else _describe(node))
+    return out
+
+
+@_variation_rule(aten.slice_scatter.default, aten.select_scatter.default)
+def _scatter_variation(node):
+    """``input`` with a slice (or one index) of dim ``dim`` replaced by ``src`` (an in-place
+    ``x[..., a:b] = y``, functionalized): the other dims keep both tensors' variation; ``dim``
+    differs between what was replaced and what was kept (M-RoPE's per-axis frequency sections)."""
+    base, src = node.args[:2]
+    rank = val(node).dim()
+    dim = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), rank)
+    src_dims = list(range(rank)) if node.target == aten.slice_scatter.default else \
+        [d for d in range(rank) if d != dim]
+    out = dict(varies(base))
+    for d_src, v in varies(src).items():
+        d = src_dims[d_src]
+        out[d] = _join(out.get(d), v)
+    n = val(node).shape[dim]
+    if n > 1:
+        out[dim] = Variation(n, out[dim].origin if dim in out else _describe(node))
     return out
 
 
@@ -319,3 +376,4 @@ def _addmm_variation(node):
     for d, v in bias.items():
         pos = 2 - val(node.args[0]).dim() + d
         out[pos] = _join(out.get(pos), v)
+    return out
