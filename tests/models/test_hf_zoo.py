@@ -157,7 +157,8 @@ def test_batch_level_moe_load_balancing_loss_is_refused():
             aux = load_balancing_loss_func((logits,), router.num_experts, router.top_k)
             return self.loss(ids, labels) + 0.01 * aux  # the batch's aux loss on every sample
 
-    with pytest.raises(UnsupportedModelError, match="histc.*mixes samples: a histogram counts"):
+    with pytest.raises(UnsupportedModelError, match="histc.*mixes samples: a histogram counts.*Way out: if it is an MoE "
+                       "load-balancing loss, train without it"):
         lf.compile(WithAuxLoss(model)).per_sample_grads(*hf_zoo.batch())
 
 
