@@ -8,7 +8,8 @@ from .runtime.engine import Engine
 
 
 def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, checkpoint=None,
-            inner_ring: int | None = None, fsdp=None, disable_passes=()) -> Engine:
+            inner_ring: int | None = None, fsdp=None, reshard_after_forward: bool = True,
+            disable_passes=()) -> Engine:
     """Compile ``model`` into a DP training engine.
 
     ``model.forward(*batch)`` must return per-sample losses of shape (B,); the objective is
@@ -32,6 +33,11 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
     (``torch.optim.AdamW(model.parameters())``) keeps sharded states; ``param.grad`` after
     ``finalize`` is the noisy shard. None: every rank holds everything.
 
+    ``reshard_after_forward`` (with ``fsdp`` only): True, the backward gathers each
+    parameter again, so no whole parameter outlives its forward use (the least memory);
+    False, the backward reads the forward's gather: one gather per parameter per step, every
+    parameter whole from the forward to its backward use (FSDP2's option of that name).
+
     ``checkpoint``: None, ``"block"`` (recompute each transformer block's activations in the
     backward) or ``"selective"`` (as block, but keep attention outputs and their lse).
 
@@ -46,4 +52,5 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
         raise ValueError(f"compile: checkpoint must be None, 'block' or 'selective', got {checkpoint!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("compile: the model has no trainable parameters (all requires_grad=False)")
-    return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp)
+    return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp,
+                  reshard_after_forward=reshard_after_forward)

@@ -14,7 +14,9 @@ class PassContext:
     (size 1: one process); within it ``cp_*`` is the attention ring and ``hp_*`` the head
     all-to-all of 2D attention (sp = cp x hp). ``checkpoint``: the activation-checkpointing
     policy (None, "block" or "selective"). ``fsdp_*``: parameters and clipped sums are
-    sharded along dim 0 over that group (``runtime.fsdp``), replicated over the replica group.
+    sharded along dim 0 over that group (``runtime.fsdp``), replicated over the replica group;
+    ``reshard_after_forward``: the backward gathers each parameter again (True) or reads the
+    forward's gather (False; ``gather_params``).
     """
 
     captured: CapturedGraph
@@ -32,6 +34,7 @@ class PassContext:
     fsdp_size: int = 1  # shards of each parameter (1: parameters enter the graph whole)
     fsdp_group_name: str | None = None
     fsdp_replica_group_name: str | None = None  # hybrid sharding: the ranks holding the same shard
+    reshard_after_forward: bool = True
 
     def param_meta(self, name: str) -> dict:
         """The ``meta`` dict of trainable parameter ``name``'s placeholder, where passes

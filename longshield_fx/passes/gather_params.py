@@ -4,14 +4,26 @@ right before their use (FSDP / ZeRO-3 as a graph rewrite, as SimpleFSDP does it)
 Rewrites: each parameter placeholder (trainable or frozen) into this rank's shard, dim 0
 padded to c = ceil(p / n) rows (``runtime.fsdp``). The forward reads an all-gather over
 the fsdp group (``all_gather_into_tensor`` + ``wait_tensor``, then a slice dropping the
-padding rows) placed before the parameter's first use. The backward reads a second one,
-placed before its first backward use (reshard after forward: no full parameter lives from
-the forward to the backward): the joint graph hands the backward forward values computed
-from the parameter alone (its transpose, views, casts), and those are recomputed from the
-second gather. Under activation checkpointing, a parameter used inside one transformer
-block gets no second gather here: its gather carries the block's module path, so the
-``checkpoint`` pass recomputes it with the block (SimpleFSDP tags its gathers for
-recomputation alike); parameters outside blocks keep the backward gather.
+padding rows) placed before the parameter's first use. What the backward reads depends on
+``ctx.reshard_after_forward`` (``compile(..., reshard_after_forward=...)``):
+
+- True (the default; FSDP2's ``reshard_after_forward=True``): the backward reads a second
+  gather, placed before the parameter's first backward use, so no full parameter lives
+  from the forward to the backward. The joint graph hands the backward forward values
+  computed from the parameter alone (its transpose, views, casts); those are recomputed
+  from the second gather. Under activation checkpointing, a parameter used inside one
+  transformer block gets no second gather here: its gather carries the block's module
+  path, so the ``checkpoint`` pass recomputes it with the block (SimpleFSDP tags its
+  gathers for recomputation alike); parameters outside blocks keep the backward gather.
+- False: the backward reads the forward's gather (and the forward's views of it), so each
+  parameter is gathered once per step (half the gather traffic) and lives whole from its
+  forward use to its last backward use: at the turn from forward to backward every
+  parameter the backward reads is whole at once, as in the unsharded engine. Under
+  activation checkpointing the gather stays outside the block (no module path), so the
+  ``checkpoint`` pass keeps it and recomputes only the views of it.
+
+A parameter only the backward reads (one the loss never reaches: ``zeros_like`` of it)
+gets one gather, before that backward use, either way.
 
 Gathers move whatever dtype the parameter enters in: the engine casts a shard to the
 compute dtype before the graph, so bf16 compute gathers bf16 while the shards stay fp32.
@@ -19,8 +31,8 @@ The ``overlap`` pass then issues each gather one block ahead of its use.
 
 Assumes: parameter placeholders still have their full shapes (earlier passes are done
 reading them), and forward nodes are tagged ``partitioner_tag == "is_forward"``.
-Guarantees: every use reads the same full values as before; each placeholder's
-``meta["val"]`` is the padded shard.
+Guarantees: every use reads the same full values as before (so both settings compute the
+same numbers); each placeholder's ``meta["val"]`` is the padded shard, read only by gathers.
 """
 from __future__ import annotations
 
@@ -37,8 +49,8 @@ aten = torch.ops.aten
 
 
 def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """All-gather each sharded parameter before its forward and its backward uses (see the
-    module docstring)."""
+    """All-gather each sharded parameter before its forward use, and again before its backward
+    use unless ``ctx.reshard_after_forward`` is False (see the module docstring)."""
     graph = gm.graph
     n = ctx.fsdp_size
     fake_mode = ctx.captured.fake_mode
@@ -61,8 +73,8 @@ def gather_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         only_backward = all(is_backward(r) for r in readers)  # e.g. zeros_like of a parameter the loss never reaches
         for node in gathered:
             node.meta["partitioner_tag"] = "is_backward" if only_backward else "is_forward"
-        if only_backward:
-            continue
+        if only_backward or not ctx.reshard_after_forward:
+            continue  # one gather: the backward reads this one (or the forward's views of it)
         derived = _derived(gathered)
         regions = {region_of(u) for node in derived for u in node.users if u not in derived and not is_backward(u)}
         block = regions.pop() if len(regions) == 1 and None not in regions else None

@@ -65,10 +65,16 @@ def _contribution(b, clipped: fx.Node, full: tuple, padded: tuple, dim: int | No
     like = val(clipped)
     if dim is None and sp_rank != 0:  # whole on every sp rank: counted once, by sp rank 0
         return b(aten.zeros.default, list(padded), dtype=like.dtype, device=like.device)
-    whole = clipped
-    if dim is not None:  # this rank's sp slice in its place in the full (unpadded) shape, zeros around it
+    # One padding op places the sp slice and pads dim 0 to whole shards: no zeros buffer plus a
+    # scattered copy of it (two full parameters in fp32 at the step's peak).
+    pad = [0, 0] * len(full)  # (before, after) per dim, last dim first, as constant_pad_nd reads it
+
+    def widen(d: int, before: int, after: int) -> None:
+        pad[2 * (len(full) - 1 - d)] += before
+        pad[2 * (len(full) - 1 - d) + 1] += after
+
+    if dim is not None:  # this rank's sp slice in its place, zeros around it
         size = like.shape[dim]
-        zeros = b(aten.zeros.default, list(full), dtype=like.dtype, device=like.device)
-        whole = b(aten.slice_scatter.default, zeros, clipped, dim, sp_rank * size, (sp_rank + 1) * size)
-    missing = padded[0] - full[0]
-    return b(aten.constant_pad_nd.default, whole, [0, 0] * (len(full) - 1) + [0, missing]) if missing else whole
+        widen(dim, sp_rank * size, full[dim] - (sp_rank + 1) * size)
+    widen(0, 0, padded[0] - full[0])
+    return b(aten.constant_pad_nd.default, clipped, pad) if any(pad) else clipped

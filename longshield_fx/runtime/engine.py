@@ -58,13 +58,13 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None, checkpoint=None,
-                 disable_passes=(), inner_ring: int | None = None, fsdp=None):
+                 disable_passes=(), inner_ring: int | None = None, fsdp=None, reshard_after_forward: bool = True):
         self.model = model
         self.checkpoint = checkpoint
         self.config = config
         self.parallel = Parallel.from_mesh(model, mesh, inner_ring)
         # Sharded model states: the parameters become DTensor shards (see runtime.fsdp).
-        self.sharding = Sharding.from_mesh(mesh, fsdp)
+        self.sharding = Sharding.from_mesh(mesh, fsdp, reshard_after_forward)
         # The ordered passes of each graph: "train" (clipped sums) and "per_sample" (the
         # per-sample gradients behind ``per_sample_grads``). "train" has every pass of
         # "per_sample"; a disabled pass is left out of each graph that has it (overlap is
@@ -208,7 +208,8 @@ class Engine:
         if sh is None:
             return {}
         return {"fsdp_size": sh.n, "fsdp_group_name": sh.group.group_name,
-                "fsdp_replica_group_name": None if sh.replica_group is None else sh.replica_group.group_name}
+                "fsdp_replica_group_name": None if sh.replica_group is None else sh.replica_group.group_name,
+                "reshard_after_forward": sh.reshard_after_forward}
 
     def _args(self, captured, sharded_batch, cotangent) -> list:
         local = self.sharding.local if self.sharding is not None else None

@@ -12,6 +12,11 @@ Uneven shards: a dim 0 of p rows is cut as ``torch.chunk`` (and DTensor) cuts it
 ceil(p / n) rows per rank, the last ranks holding fewer or none. The graph sees every
 shard padded to c rows (collectives need equal sizes); ``local`` pads, ``to_param_grad``
 drops the padding again.
+
+``reshard_after_forward`` (FSDP2's option of that name): True, the graph gathers each
+parameter again for the backward, so no whole parameter lives from the forward to the
+backward; False, the backward reads the forward's gather (one gather per parameter, every
+parameter whole between the forward and its backward use). The ``gather_params`` pass.
 """
 from __future__ import annotations
 
@@ -29,9 +34,11 @@ from ..errors import UnsupportedModelError
 
 class Sharding:
     """How model states are sharded: ``n`` shards over ``group`` (this rank holds shard
-    ``index``), replicated over ``replica_group`` (None: every rank holds its own shard)."""
+    ``index``), replicated over ``replica_group`` (None: every rank holds its own shard);
+    whether the backward gathers again (``reshard_after_forward``)."""
 
-    def __init__(self, mesh, dims: tuple[str, ...]):
+    def __init__(self, mesh, dims: tuple[str, ...], reshard_after_forward: bool = True):
+        self.reshard_after_forward = reshard_after_forward
         names = tuple(mesh.mesh_dim_names or ())
         unknown = [d for d in dims if d not in names]
         if not dims or unknown or len(set(dims)) != len(dims):
@@ -58,19 +65,25 @@ class Sharding:
         self.index = dist.get_rank(self.group)
 
     @classmethod
-    def from_mesh(cls, mesh, dims) -> "Sharding | None":
+    def from_mesh(cls, mesh, dims, reshard_after_forward: bool = True) -> "Sharding | None":
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"compile: reshard_after_forward must be True or False, got {reshard_after_forward!r}")
         if dims is None:
+            if not reshard_after_forward:
+                raise ValueError("compile: reshard_after_forward=False keeps gathered parameters for the backward, "
+                                 "which only sharded model states have; pass fsdp=... too, or leave it out")
             return None
         if mesh is None:
             raise ValueError("compile: fsdp shards model states over mesh dims; pass a mesh too "
                              "(e.g. init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'cp')))")
         if isinstance(dims, str):
             dims = (dims,)
-        return cls(mesh, tuple(dims))
+        return cls(mesh, tuple(dims), reshard_after_forward)
 
     def __repr__(self) -> str:
         kind = f"hybrid, replicated over {'x'.join(self.replicate_dims)}" if self.replicate_dims else "ZeRO-3"
-        return f"fsdp={'x'.join(self.dims)} ({self.n} shards, {kind})"
+        kept = "" if self.reshard_after_forward else ", reshard_after_forward=False"
+        return f"fsdp={'x'.join(self.dims)} ({self.n} shards, {kind}{kept})"
 
     # --- the model ---------------------------------------------------------------------------
     def shard_model(self, model: nn.Module) -> None:

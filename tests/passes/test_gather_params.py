@@ -1,28 +1,66 @@
 """gather_params (and overlap's prefetch of its gathers) on a fake world of dp=2 x cp=2, ZeRO-3
-over all four ranks; the tiny Llama with a vocabulary of 250, so its embedding and LM head
-shards are uneven (63 rows, the last rank's padded). Values: tests/runtime/test_parallel.py."""
+over all four ranks (and hybrid over cp); the tiny Llama with 3 layers and a vocabulary of
+250, so its embedding and LM head shards are uneven (63 rows, the last rank's padded) and
+"one block ahead" differs from "every block at once". Values: one real (gloo) rank here,
+four in tests/runtime/test_parallel.py."""
+import contextlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
+import longshield_fx as lf
 from longshield_fx._torch import c10d
 from longshield_fx.passes._graph import is_backward, region_of
 from longshield_fx.passes.gather_params import _derived
 from longshield_fx.passes.overlap import collective_signature, verify_schedule
 
+from oracles import logical, tiny_llama, token_batch
+
 GATHER = c10d.all_gather_into_tensor.default
 N = 4
+MODEL = dict(vocab_size=250, n_layers=3)
+LAYOUTS = {"zero3": dict(fsdp=("dp", "cp")), "hybrid": dict(fsdp=("cp",)),
+           "zero3-block": dict(fsdp=("dp", "cp"), checkpoint="block"),
+           "zero3-kept": dict(fsdp=("dp", "cp"), reshard_after_forward=False),
+           "zero3-kept-block": dict(fsdp=("dp", "cp"), checkpoint="block", reshard_after_forward=False)}
 
 
 @pytest.fixture(scope="module")
-def plain(cp_graph):
-    return cp_graph(2, dp=2, fsdp=("dp", "cp"), vocab_size=250)
+def graph_of(cp_graph, fake_world):
+    """``graph_of(layout, rank=0)``: the training graph of the tiny Llama (``MODEL``) lowered
+    on rank ``rank``'s view of the fake dp=2 x cp=2 world, for a ``LAYOUTS`` entry; memoised.
+    ``cp_graph`` (shared with other files) where it can build the layout."""
+    kept = {}
+
+    def build(layout, rank=0):
+        kw = dict(LAYOUTS[layout])
+        if kw.pop("reshard_after_forward", True):
+            return cp_graph(2, dp=2, rank=rank, **kw, **MODEL)
+        if (layout, rank) not in kept:
+            with fake_world(2, 2, rank=rank) as mesh:
+                engine = lf.compile(tiny_llama(**MODEL), mesh, config=lf.DPConfig(1.0, 1.0),
+                                    reshard_after_forward=False, **kw)
+                ids = torch.zeros(2, 32, dtype=torch.long)
+                lowered = engine.lower(ids, ids)
+            kept[layout, rank] = SimpleNamespace(engine=engine, lowered=lowered, gm=lowered.gm)
+        return kept[layout, rank]
+
+    return build
 
 
 @pytest.fixture(scope="module")
-def block(cp_graph):
-    return cp_graph(2, dp=2, fsdp=("dp", "cp"), checkpoint="block", vocab_size=250)
+def plain(graph_of):
+    return graph_of("zero3")
+
+
+@pytest.fixture(scope="module")
+def block(graph_of):
+    return graph_of("zero3-block")
 
 
 def param_gathers(shared) -> dict:
@@ -83,7 +121,10 @@ def test_block_checkpointing_recomputes_each_blocks_gather_with_the_block(block)
     assert own and not any(own)  # parameters outside blocks: gather_params' own backward gather
 
 
-def test_each_blocks_gathers_are_issued_before_the_previous_blocks_compute(plain):
+def test_each_blocks_gathers_are_issued_one_block_ahead_no_earlier(plain):
+    """Per phase, with blocks in the order they compute (layers.0, 1, 2 forward; 2, 1, 0
+    backward): block k+1's gathers are issued after block k-1's first use and before block k's
+    first use, i.e. while block k-1 computes, neither late nor hoisted to the top."""
     nodes = list(plain.gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     issued, first_use = {}, {}
@@ -97,20 +138,29 @@ def test_each_blocks_gathers_are_issued_before_the_previous_blocks_compute(plain
             key = (phase, block.rsplit(".", 2)[-2] + "." + block.rsplit(".", 1)[-1])  # "layers.1"
             issued[key] = min(issued.get(key, len(nodes)), index[g])
             first_use[key] = min(first_use.get(key, len(nodes)), min(index[r] for r in reading))
-    for phase, ahead, behind in (("forward", "layers.1", "layers.0"), ("backward", "layers.0", "layers.1")):
-        assert issued[phase, ahead] < first_use[phase, behind], phase  # prefetched one block ahead
-        assert issued[phase, behind] < issued[phase, ahead], phase  # in order
+    for phase in ("forward", "backward"):
+        blocks = sorted((b for p, b in first_use if p == phase), key=lambda b: first_use[phase, b])
+        expected = ["layers.0", "layers.1", "layers.2"]
+        assert blocks == (expected if phase == "forward" else expected[::-1]), phase
+        for k in range(len(blocks) - 1):
+            done, current, ahead = blocks[k - 1] if k else None, blocks[k], blocks[k + 1]
+            assert issued[phase, current] < issued[phase, ahead] < first_use[phase, current], (phase, ahead)
+            if done is not None:  # not hoisted: block k+1 travels while block k-1 computes
+                assert first_use[phase, done] < issued[phase, ahead], (phase, ahead)
 
 
-def test_every_rank_issues_the_same_collectives_gathers_included(plain, cp_graph):
+@pytest.mark.parametrize("layout", ["zero3", "hybrid", "zero3-block", "zero3-kept"])
+def test_every_rank_issues_the_same_collectives_gathers_included(graph_of, layout):
     """The graphs of the other ranks differ (sequence slices, which rank contributes a replicated
-    sum) but issue the same collectives in the same order."""
-    others = [cp_graph(2, dp=2, fsdp=("dp", "cp"), vocab_size=250, rank=r) for r in (1, 2, 3)]
-    kinds = {op for op, *_ in collective_signature(plain.gm.graph.nodes)}
+    sum) but issue the same collectives in the same order: ZeRO-3, hybrid (the other dp
+    replica's cp group under another name), block checkpointing (re-gathers recomputed with
+    the block) and without resharding."""
+    graphs = [graph_of(layout, rank) for rank in range(N)]
+    kinds = {op for op, *_ in collective_signature(graphs[0].gm.graph.nodes)}
     assert str(GATHER) in kinds
-    targets = [[n.target for n in g.gm.graph.nodes] for g in (plain, others[0])]
+    targets = [[n.target for n in g.gm.graph.nodes] for g in graphs[:2]]
     assert targets[0] != targets[1]  # cp rank 1's graph is not rank 0's
-    verify_schedule(list(plain.gm.graph.nodes), other_ranks=[list(o.gm.graph.nodes) for o in others])
+    verify_schedule(list(graphs[0].gm.graph.nodes), other_ranks=[list(g.gm.graph.nodes) for g in graphs[1:]])
 
 
 def test_bf16_compute_gathers_bf16_while_the_shards_stay_fp32(fake_world):
@@ -128,3 +178,130 @@ def test_bf16_compute_gathers_bf16_while_the_shards_stay_fp32(fake_world):
     assert gathers and {g.meta["val"].dtype for g in gathers} == {torch.bfloat16}
     assert {g.args[0].meta["val"].dtype for g in gathers} == {torch.bfloat16}  # cast before the gather
     assert masters == {torch.float32}
+
+
+# --- reshard_after_forward=False: the backward reads the forward's gather ------------------------
+
+@pytest.mark.parametrize("layout", ["zero3-kept", "zero3-kept-block"])
+def test_without_resharding_each_parameter_is_gathered_once_and_the_backward_reads_it(graph_of, layout):
+    """One gather per parameter, in the forward; the backward reads it (or the forward's views
+    of it) for every parameter it needs. Under block checkpointing the gather is kept, not
+    recomputed with the block: only the views of it are."""
+    shared = graph_of(layout)
+    read_by_backward = 0
+    for name, (ph, users) in param_gathers(shared).items():
+        assert len(users) == 1, name
+        (gather,) = users
+        assert not is_backward(gather) and not gather.meta.get("recomputed"), name
+        read_by_backward += any(is_backward(u) for u in readers(gather))
+    # as with resharding, every matrix and norm weight is needed by the backward, the embedding's not
+    assert read_by_backward == len(param_gathers(shared)) - 2
+
+
+def test_reshard_after_forward_is_refused_without_sharded_states(tiny):
+    with pytest.raises(ValueError, match="reshard_after_forward=False .* pass fsdp="):
+        lf.compile(tiny, config=lf.DPConfig(1.0, 1.0), reshard_after_forward=False)
+    with pytest.raises(TypeError, match="True or False"):
+        lf.compile(tiny, config=lf.DPConfig(1.0, 1.0), reshard_after_forward="no")
+
+
+@contextlib.contextmanager
+def one_rank_world():
+    """A real gloo world of one rank, mesh ("cp",) of size 1: the sharded graph runs (its
+    gathers and reduce-scatters move one shard), so its numbers can be compared here."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_both_settings_give_identical_per_sample_grads_and_clipped_sums(hook_calls):
+    """The same step with reshard_after_forward True and False (and False under block
+    checkpointing) on one real rank: bit-identical per-sample gradients and clipped sums,
+    which equal the unsharded engine's; without resharding, one gather per parameter.
+    No hook is registered on the way (compile, accumulate, finalize, per_sample_grads)."""
+    batch = token_batch(vocab=MODEL["vocab_size"])
+    clean = lf.DPConfig(max_grad_norm=0.05, noise_multiplier=0.0)  # small: samples are clipped
+    runs = {}
+    with one_rank_world() as mesh:
+        for name, kw in {"resharded": {}, "kept": dict(reshard_after_forward=False),
+                         "kept-block": dict(reshard_after_forward=False, checkpoint="block")}.items():
+            model = tiny_llama(**MODEL)
+            engine = lf.compile(model, mesh, config=clean, fsdp=("cp",), **kw)
+            per_sample = engine.per_sample_grads(*batch)
+            engine.accumulate(*batch)
+            engine.finalize(logical(3))  # E[B] = 1: .grad is the clipped sum
+            gathers = [n for n in engine.lower(*batch).gm.graph.nodes if n.target == GATHER]
+            runs[name] = per_sample, {n: p.grad.full_tensor() for n, p in model.named_parameters()}, gathers
+    params = len(runs["kept"][1])
+    assert len(runs["kept"][2]) == len(runs["kept-block"][2]) == params  # one gather each
+    assert len(runs["resharded"][2]) == 2 * params - 2  # a second one for the backward's
+    for name in ("kept", "kept-block"):
+        for got, want in zip(runs[name][:2], runs["resharded"][:2]):
+            assert got.keys() == want.keys()
+            for key in want:
+                assert torch.equal(got[key], want[key]), (name, key)
+    model = tiny_llama(**MODEL)
+    unsharded = lf.compile(model, config=clean)
+    unsharded.accumulate(*batch)
+    unsharded.finalize(logical(3))
+    for key, p in model.named_parameters():
+        torch.testing.assert_close(runs["resharded"][1][key], p.grad, rtol=1e-5, atol=1e-7)
+        assert bool(p.grad.abs().sum() > 0), key  # nothing compared vacuously
+    assert hook_calls == []
+
+
+# --- no hooks on the sharded path --------------------------------------------------------------
+
+@pytest.fixture
+def hook_calls(monkeypatch):
+    """The names of hook registrations made while the test runs (module, tensor and global
+    hooks), as tests/runtime/test_engine.py's spy does for the unsharded engine."""
+    calls = []
+    for cls, names in ((nn.Module, ["register_forward_hook", "register_forward_pre_hook",
+                                    "register_full_backward_hook", "register_backward_hook",
+                                    "register_full_backward_pre_hook"]),
+                       (torch.Tensor, ["register_hook", "register_post_accumulate_grad_hook"])):
+        for name in names:
+            def spy(self, *a, _original=getattr(cls, name), _name=name, **k):
+                calls.append(_name)
+                return _original(self, *a, **k)
+
+            monkeypatch.setattr(cls, name, spy)
+    import torch.nn.modules.module as M
+    for name in ["register_module_forward_hook", "register_module_forward_pre_hook",
+                 "register_module_full_backward_hook", "register_module_backward_hook"]:
+        monkeypatch.setattr(M, name, lambda *a, _n=name, **k: calls.append(_n))
+    return calls
+
+
+def hooks_held(model) -> list:
+    """Hooks held by the model's modules, its parameters and globally (counts)."""
+    import torch.nn.modules.module as M
+    held = []
+    for m in model.modules():
+        held += [len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+                 len(m._backward_pre_hooks)]
+    for p in model.parameters():
+        held += [len(p._backward_hooks or {}), len(getattr(p, "_post_accumulate_grad_hooks", None) or {})]
+    held += [len(M._global_forward_hooks), len(M._global_forward_pre_hooks), len(M._global_backward_hooks),
+             len(M._global_backward_pre_hooks)]
+    return held
+
+
+@pytest.mark.parametrize("layout", ["zero3", "zero3-kept"])
+def test_no_hooks_while_compiling_and_lowering_sharded(fake_world, hook_calls, layout):
+    """compile(fsdp=...) turns the parameters into DTensor shards and lowers both graphs
+    without registering a hook anywhere."""
+    kw = dict(LAYOUTS[layout])
+    with fake_world(2, 2) as mesh:
+        model = tiny_llama(**MODEL)
+        assert not any(hooks_held(model))
+        engine = lf.compile(model, mesh, config=lf.DPConfig(1.0, 1.0), **kw)
+        ids = torch.zeros(2, 32, dtype=torch.long)
+        engine.lower(ids, ids)
+        engine.lower(ids, ids, graph="per_sample")
+        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    assert hook_calls == []
+    assert not any(hooks_held(model))

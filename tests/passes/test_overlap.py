@@ -85,3 +85,22 @@ def test_a_pass_is_disabled_by_name(fake_world):
     assert names == {"train": ["batch_dims", "context_parallel", "chunked_loss", "per_sample", "shard_grads", "clip"],
                      "per_sample": ["batch_dims", "context_parallel", "chunked_loss", "per_sample"]}
     assert "overlap" not in repr(engine)
+
+
+def test_checkpointing_recomputes_collectives_within_the_cap(cp_graph):
+    """The checkpoint pass runs after overlap and issues the recomputed block's gathers again,
+    each waited at once; overlap scheduled the rest one slot under the cap for them, so the
+    final graph keeps it (ZeRO-3 on dp=2 x cp=2, 3 layers: the cap is reached)."""
+    nodes = list(cp_graph(2, dp=2, fsdp=("dp", "cp"), checkpoint="block", vocab_size=250, n_layers=3).gm.graph.nodes)
+    wait = c10d.wait_tensor.default
+    recomputed = [i for i, n in enumerate(nodes) if n.target in COLLECTIVES and n.meta.get("recomputed")]
+    assert recomputed and all(nodes[i + 1].target == wait and nodes[i + 1].args[0] is nodes[i] for i in recomputed)
+    outstanding, most = set(), 0
+    for node in nodes:
+        if node.target in COLLECTIVES:
+            outstanding.add(node)
+        elif node.target == wait:
+            outstanding.discard(node.args[0])
+        most = max(most, len(outstanding))
+    assert most == OverlapLimits().max_in_flight
+    verify_schedule(nodes)

@@ -38,13 +38,18 @@ def test_each_clipped_sum_leaves_the_graph_as_this_ranks_fp32_shard(cp_graph, fs
         assert scatter.args[1:] == ("sum", n, sharding.group.group_name), name
         contribution = scatter.args[0]
         assert tuple(contribution.meta["val"].shape) == padded, name  # the padded full parameter
-        if contribution.target == aten.constant_pad_nd.default:  # padding rows
-            assert padded[0] != full[0]
-            contribution = contribution.args[0]
-        if shared.lowered.ctx.param_meta(name).get(CP_SHARD_DIM) is not None:
-            # this rank's sp slice in its place, zeros around it
-            assert contribution.target == aten.slice_scatter.default, name
-            sp_sharded += 1
+        dim = shared.lowered.ctx.param_meta(name).get(CP_SHARD_DIM)
+        if dim is None and padded[0] == full[0]:
+            assert contribution.target != aten.constant_pad_nd.default, name  # whole: contributed as it is
+            continue
+        # One padding op: this rank's sp slice in its place, zeros around it, dim 0 padded to whole shards.
+        assert contribution.target == aten.constant_pad_nd.default, name
+        pad, local = contribution.args[1], contribution.args[0].meta["val"].shape
+        for d in range(len(full)):
+            before, after = pad[2 * (len(full) - 1 - d)], pad[2 * (len(full) - 1 - d) + 1]
+            assert local[d] + before + after == padded[d], name
+            assert before == (shared.lowered.ctx.sp_rank * local[d] if d == dim else 0), name
+        sp_sharded += dim is not None
     assert sp_sharded > 0
 
 
