@@ -152,6 +152,7 @@ class CPCase(NamedTuple):
     hp: int = 1  # head-parallel degree (2D attention)
     inner_ring: int | None = None  # double ring: inner ring size
     fsdp: tuple | None = None  # mesh dims model states are sharded over
+    reshard_after_forward: bool = True  # with fsdp: False keeps the forward's gathers for the backward
     # Only the first engine (per-sample gradients, clipped sum, training steps, bytes): no
     # second capture without the overlap pass, no noisy engine. For layouts whose overlap and
     # noise another case of the same mesh already checks.
@@ -191,6 +192,8 @@ CP_CASES = {
     "fsdp-dp2cp2-llama_odd": CPCase(4, "llama_odd", dp=2, fsdp=("dp", "cp")),
     "fsdp-dp2cp2-hf_qwen2": CPCase(4, "hf_qwen2", dp=2, fsdp=("dp", "cp")),
     "fsdp-dp2cp2-llama_odd-block": CPCase(4, "llama_odd", dp=2, policy="block", fsdp=("dp", "cp")),
+    "fsdp-kept-dp2cp2-llama_odd": CPCase(4, "llama_odd", dp=2, fsdp=("dp", "cp"), reshard_after_forward=False,
+                                         light=True),
     "hsdp-dp2cp2-llama": CPCase(4, "llama", dp=2, fsdp=("cp",)),
     "hsdp-over-dp-dp2cp2-llama": CPCase(4, "llama", dp=2, fsdp=("dp",)),  # replicated over cp
 }
@@ -249,3 +252,17 @@ def gpt2_embedding_dropout(seed=0):
                                   resid_pdrop=0.0, embd_pdrop=DROPOUT_P, attn_pdrop=0.0, bos_token_id=None,
                                   eos_token_id=None, tie_word_embeddings=True, attn_implementation="sdpa")
     return lf.CausalLMLoss(transformers.GPT2LMHeadModel(cfg)).train()
+
+
+def assert_exact_with_clipped_sum(model: nn.Module, batch) -> dict:
+    """Per-sample gradients against the torch.func oracle, then (hf_zoo's check: one noiseless
+    accumulate + finalize at C = hf_zoo.CLIP) the flat-clipped sum against the oracle's. ``batch``
+    is two inputs. Asserts some sample is clipped, so the clip factors are exercised. Returns the oracle's."""
+    import hf_zoo
+
+    ref = vmap_per_sample_grads(model, batch)
+    assert_matches_vmap(model, batch, ref=ref)
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
+    assert bool((norms > hf_zoo.CLIP).any()), "the check must clip some sample"
+    assert hf_zoo.error_of_ours(model, *batch, ref) < 1e-5
+    return ref

@@ -293,3 +293,136 @@ def test_indexing_the_batch_with_a_per_row_constant_is_refused():
     model = Pool(lambda h, last: h[torch.arange(h.shape[0]), torch.tensor([0, 1, 2])])
     with pytest.raises(lf.UnsupportedModelError, match="row position"):
         lf.compile(model).per_sample_grads(torch.randn(3, 5, 4), torch.tensor([4, 2, 3]))
+
+
+class TimeMajor(nn.Module):
+    """XLNet's (T, B) layout: linear layers on T*B rows tiled in T blocks of B. ``offsets(B, T)``
+    is a (T, B, 8) constant folded with the batch to (T*B, 8), put through a linear layer on
+    those rows and split back to (T, B, 8) before it meets the per-sample data."""
+
+    def __init__(self, offsets):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 8)
+        self.pos = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 5, bias=False)
+        self.offsets = offsets
+
+    def forward(self, x, y):  # x (B, T, 6), y (B,)
+        B, T = x.shape[:2]
+        h = self.inp(x.transpose(0, 1))  # (T, B, 8)
+        r = self.pos(self.offsets(B, T).reshape(T * B, 8)).view(T, B, 8)
+        return self.out(torch.tanh(h * r.sin())).pow(2).sum((0, 2)) * y
+
+
+class WideTimeMajor(nn.Module):
+    """(T, B) layout wide enough that the second layer's norm is a ghost norm (2T(p+d) <= p*d)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x, y):
+        return self.b(torch.tanh(self.a(x.transpose(0, 1)))).pow(2).sum((0, 2)) * y
+
+
+def time_major_batch(B=3, T=7):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(B, T, 6, generator=g), torch.rand(B, generator=g) + 0.5
+
+
+def test_time_major_rows_and_positions_folded_with_the_batch_give_exact_per_sample_and_clipped_grads():
+    """Positions expanded over B, folded into T*B rows and split back, depend only on the T digit
+    of the row index: every sample sees the same values, so they are no row position; the
+    weight gradients over (T, B) rows regroup each sample's T rows exactly."""
+    from oracles import assert_exact_with_clipped_sum
+
+    positions = TimeMajor(lambda B, T: torch.arange(T, dtype=torch.float)[:, None, None].expand(T, B, 8))
+    assert_exact_with_clipped_sum(positions, time_major_batch())
+
+
+def test_time_major_weight_gradients_are_exact_through_the_ghost_norm():
+    """The ghost norm of a (T, B) layer pairs each sample's T rows of activations and gradients,
+    not T*B consecutive rows: its clipped sum must equal the per-sample oracle's."""
+    from oracles import assert_exact_with_clipped_sum
+
+    model, batch = WideTimeMajor(), time_major_batch()
+    assert_exact_with_clipped_sum(model, batch)
+    assert lf.compile(model, config=lf.DPConfig(0.5, 0.0)).lower(*batch).norm_methods["b.weight"].startswith("ghost")
+
+
+def test_per_row_constant_folded_with_the_batch_in_time_major_layout_is_refused():
+    """arange(B) laid out as (T, B) differs along the B digit of the folded T*B rows: after the
+    fold and the split it still gives sample i the value i, a row position."""
+    model = TimeMajor(lambda B, T: torch.arange(B, dtype=torch.float)[None, :, None].expand(T, B, 8))
+    with pytest.raises(lf.UnsupportedModelError) as e:
+        lf.compile(model).per_sample_grads(*time_major_batch())
+    msg = str(e.value)
+    assert "op aten.mul.Tensor" in msg and "row position" in msg and "made by aten.arange.default" in msg, msg
+
+
+class Sections(nn.Module):
+    """Per-sample activations times a (B, T, 6) constant ``build(B, T)`` written piece by piece
+    (``c[..., a:b] = ...``, functionalized to slice_scatter / select_scatter)."""
+
+    def __init__(self, build):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 6)
+        self.build = build
+
+    def forward(self, x, y):
+        return (torch.tanh(self.fc(x)) * self.build(*x.shape[:2])).pow(2).sum((1, 2)) * y
+
+
+def _mrope_sections(B, T):
+    c = torch.zeros(B, T, 6)
+    c[..., :3] = torch.arange(T, dtype=torch.float)[:, None].expand(B, T, 3).cos()  # slice_scatter
+    c[..., 4] = torch.arange(T, dtype=torch.float).sin()  # select_scatter
+    return c
+
+
+def _per_row_section(B, T):
+    c = torch.ones(B, T, 6)
+    c[..., :3] = torch.arange(B, dtype=torch.float)[:, None, None].expand(B, T, 3)
+    return c
+
+
+def _first_row_set(B, T):
+    c = torch.ones(B, T, 6)
+    c[0] = 2.0 * torch.ones(T, 6)  # select_scatter along the batch
+    return c
+
+
+def _first_rows_sliced(B, T):
+    c = torch.ones(B, T, 6)
+    c[:1] = 2.0  # slice_scatter along the batch
+    return c
+
+
+def test_feature_sections_written_by_slice_and_select_scatter_are_uniform_over_the_batch():
+    """M-RoPE-style sections: per-position values written into feature slices of a batch-uniform
+    tensor vary along the features only, so every sample sees the same constant: accepted, exact."""
+    from oracles import assert_exact_with_clipped_sum
+
+    model, batch = Sections(_mrope_sections), (torch.randn(3, 5, 6), torch.rand(3) + 0.5)
+    code = lf.compile(model).lower(*batch, graph="per_sample").gm.code
+    assert "aten.slice_scatter" in code and "aten.select_scatter" in code
+    assert_exact_with_clipped_sum(model, batch)
+
+
+@pytest.mark.parametrize("build, scatter, origin", [
+    (_per_row_section, "slice_scatter", "aten.arange.default"),  # a per-row source keeps its variation
+    (_first_row_set, "select_scatter", "aten.select_scatter.default"),  # one row replaced: rows differ
+    (_first_rows_sliced, "slice_scatter", "aten.slice_scatter.default"),
+], ids=["per_row_source", "select_scatter_row", "slice_scatter_rows"])
+def test_scatter_that_varies_the_batch_rows_is_refused(build, scatter, origin):
+    """A constant whose batch rows differ, whether from its source or from writing only some rows,
+    gives each sample a value by its row position: refused, naming the op and where it came from."""
+    with pytest.raises(lf.UnsupportedModelError) as e:
+        lf.compile(Sections(build)).per_sample_grads(torch.randn(3, 5, 6), torch.rand(3) + 0.5)
+    msg = str(e.value)
+    assert "op aten.mul.Tensor" in msg and "row position" in msg, msg
+    assert f"combines per-sample data with {scatter}" in msg and f"made by {origin}" in msg, msg

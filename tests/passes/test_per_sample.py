@@ -262,3 +262,65 @@ def test_grouped_linear_and_weights_joined_from_pieces():
     batch = (torch.randn(3, 5, 3, 4),)
     assert_matches_vmap(model, batch)
     assert lf.compile(model).lower(*batch, graph="per_sample").rules["rest"] == "grouped_linear"
+
+
+class DelayedStart(nn.Module):
+    """ZAYA's delayed value: a linear layer applied to a (B, 1, 6) row ``start(x)`` that holds no
+    sample, its output put in front of each sample's own (shifted) outputs of the same layer."""
+
+    def __init__(self, start):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 4)
+        self.start = start
+
+    def forward(self, x, y):  # x (B, T, 6), y (B,)
+        v = torch.cat([self.lin(self.start(x)), self.lin(x)[:, :-1]], dim=1)
+        return torch.tanh(v).pow(2).sum((1, 2)) * y
+
+
+def delayed_batch(B=3):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(B, 7, 6, generator=g), torch.rand(B, generator=g) + 0.5
+
+
+def test_constant_operand_paired_row_by_row_with_per_sample_data_is_exact():
+    """The weight gradient of lin pairs the constant's row b with sample b's gradient row: a
+    nonzero constant (the same in every row) makes that pairing matter, and it must be exact."""
+    from oracles import assert_exact_with_clipped_sum
+
+    assert_exact_with_clipped_sum(DelayedStart(lambda x: x.new_ones(x.shape[0], 1, 6) * 0.5), delayed_batch())
+
+
+def test_constant_operand_that_differs_per_batch_row_is_refused():
+    """A start row of arange(B) gives sample i the value i: its loss depends on its row position."""
+    model = DelayedStart(lambda x: torch.arange(x.shape[0], dtype=x.dtype).view(-1, 1, 1).expand(-1, 1, 6))
+    with pytest.raises(lf.UnsupportedModelError) as e:
+        lf.compile(model).per_sample_grads(*delayed_batch())
+    msg = str(e.value)
+    assert "op aten.cat.default" in msg and "row position" in msg, msg
+
+
+class SharedPositions(nn.Module):
+    """A position table read as ``pos[ids]`` with ``ids = f(arange(T)).repeat(B, 1)``: the same
+    ids in every sample, laid out one row per sample; its gradient is an index_put with them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos = nn.Parameter(torch.randn(16, 6))
+        self.proj = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x, y):  # x (B, T, 6), y (B,)
+        B, T = x.shape[:2]
+        ids = (torch.arange(T) * 2 % 16).unsqueeze(0).repeat(B, 1)
+        return torch.tanh((x + self.pos[ids]) @ self.proj).pow(2).sum((1, 2)) * y
+
+
+def test_index_put_with_shared_ids_laid_out_per_row_is_exact():
+    """Each sample's rows of the position gradient go to the ids in its own row of the (B, T) id
+    tensor; the ids are the same in every row (no row position), so per-sample grads and the
+    clipped sum are exact."""
+    from oracles import assert_exact_with_clipped_sum
+
+    assert_exact_with_clipped_sum(SharedPositions(), delayed_batch())

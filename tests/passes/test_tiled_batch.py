@@ -72,3 +72,69 @@ def test_per_sample_grads_of_repeated_experts_are_exact(then, scaled):
 def test_ops_that_mix_tiled_rows_are_refused(then, match):
     with pytest.raises(lf.UnsupportedModelError, match=match):
         lf.compile(RepeatedExperts(then)).per_sample_grads(*batch())
+
+
+class PerHeadWeights(nn.Module):
+    """A weight (heads, rows, out, in) applied by matmul to per-sample (heads, B, in, T) data: one
+    bmm over heads * B groups, so the batch is tiled in per-head blocks. ``rows=1`` broadcasts
+    the weight over the batch; ``rows=B`` gives each batch row its own slice."""
+
+    def __init__(self, rows):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(2, rows, 5, 4))
+        self.proj = nn.Parameter(torch.randn(8, 6))
+
+    def forward(self, x, y):  # x (B, T, 6), y (B,)
+        h = (x @ self.proj.t()).view(x.shape[0], x.shape[1], 2, 4).permute(2, 0, 3, 1)  # (H, B, 4, T)
+        return (self.w @ h).pow(2).sum((0, 2, 3)) * y
+
+
+class TiledLinear(RepeatedExperts):
+    """A linear layer on the tiled (E*N, D) rows before the experts: addmm with a bias, mm without."""
+
+    def __init__(self, bias):
+        super().__init__(then=lambda rows, moe: moe.lin(rows))
+        self.lin = nn.Linear(D, D, bias=bias)
+
+
+def head_batch(B=3):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(B, 7, 6, generator=g), torch.rand(B, generator=g) + 0.5
+
+
+def test_weight_broadcast_over_batch_in_tiled_bmm_gives_exact_per_sample_and_clipped_grads():
+    """A per-head weight is the same for every batch row inside bmm's H*B groups: each sample's
+    gradient is the sum over its own H groups, so the rule is exact and no row position leaks."""
+    from oracles import assert_exact_with_clipped_sum
+
+    assert_exact_with_clipped_sum(PerHeadWeights(rows=1), head_batch())
+
+
+def test_weight_differing_per_batch_row_in_tiled_bmm_is_refused():
+    """A weight with one slice per batch row gives sample i the slice at its row position:
+    removing a record moves the others onto other weights, a privacy leak."""
+    with pytest.raises(lf.UnsupportedModelError) as e:
+        lf.compile(PerHeadWeights(rows=3)).per_sample_grads(*head_batch(B=3))
+    assert "op aten.bmm.default" in str(e.value) and "row position" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["addmm", "mm"])
+def test_linear_on_tiled_rows_gives_exact_per_sample_grads_and_clipped_sums(bias):
+    """nn.Linear on rows tiled E times: the weight gradient mm over E*N rows regroups each
+    sample's rows from every block, so the per-sample gradient is exact."""
+    from oracles import assert_exact_with_clipped_sum
+
+    x = batch()[0]
+    assert_exact_with_clipped_sum(_LossWeighted(TiledLinear(bias)), (x, torch.rand(x.shape[0]) + 0.5))
+
+
+class _LossWeighted(nn.Module):
+    """``model(x) * y``: a per-sample loss weight, the two-input form the clipped-sum check calls."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        return self.model(x) * y

@@ -89,6 +89,8 @@ def engine_case(case) -> dict:
     out = {}
 
     kwargs = dict(checkpoint=policy, inner_ring=case.inner_ring, fsdp=case.fsdp)
+    if case.fsdp:
+        kwargs["reshard_after_forward"] = case.reshard_after_forward
     engine = lf.compile(model, mesh, config=clean, **kwargs)
     if case.fsdp:
         out["sharded"] = {n: (isinstance(p, DTensor), tuple(p.to_local().shape) if isinstance(p, DTensor) else None,
