@@ -126,7 +126,10 @@ _FIXED_SHAPE_METHODS = {
 @contextlib.contextmanager
 def fixed_shape_experts(model: nn.Module):
     """Within the block, modules of a class in ``_FIXED_SHAPE_METHODS`` run the fixed-shape
-    methods (instance attributes, removed on exit)."""
+    methods (instance attributes, removed on exit), and every Hugging Face config that picks
+    another ``experts_implementation`` (transformers' default ``grouped_mm`` sorts the batch's
+    tokens by expert; ``eager`` loops over the experts hit) picks ``batched_mm``, the same sums
+    in fixed shapes."""
     swapped = []
     for module in model.modules():
         cls = type(module)
@@ -135,12 +138,19 @@ def fixed_shape_experts(model: nn.Module):
             for name, method in methods.items():
                 setattr(module, name, method.__get__(module))
             swapped.append((module, methods))
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if getattr(c, "_experts_implementation", "batched_mm") not in (None, "batched_mm")}
+    chosen = {key: config._experts_implementation for key, config in configs.items()}
+    for config in configs.values():
+        config._experts_implementation = "batched_mm"
     try:
         yield
     finally:
         for module, methods in swapped:
             for name in methods:
                 delattr(module, name)
+        for key, config in configs.items():
+            config._experts_implementation = chosen[key]
 
 
 __all__ = ["fixed_shape_experts"]

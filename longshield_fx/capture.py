@@ -101,8 +101,7 @@ def capture(model: nn.Module, example_batch: tuple) -> CapturedGraph:
     except CaptureError as e:
         raise UnsupportedModelError(
             f"capture: the forward cannot be traced into one graph ({e}). Way out: make the forward "
-            "traceable without graph breaks (torch.compile(fullgraph=True) shows the same error); "
-            "for Hugging Face MoE models pass experts_implementation='batched_mm'") from e
+            "traceable without graph breaks (torch.compile(fullgraph=True) shows the same error)") from e
     return _flatten(gm, fake_mode, trainable, _aliases(model))
 
 

@@ -179,7 +179,8 @@ def _along_dim(dim_arg_index):
     def rule(node, B):
         tag = single_tag(node)
         rank = val(node.args[0]).dim()
-        if norm_dim(node.args[dim_arg_index], rank) == tag.dim:
+        dim = node.args[dim_arg_index] if len(node.args) > dim_arg_index else node.kwargs.get("dim", -1)  # sort's default
+        if norm_dim(dim, rank) == tag.dim:
             raise Mixing("normalises or accumulates along the batch dimension")
         return (tag,) * len(node.meta["val"]) if isinstance(node.meta["val"], tuple) else tag
     return rule

@@ -162,10 +162,16 @@ def test_batch_level_moe_load_balancing_loss_is_refused():
         lf.compile(WithAuxLoss(model)).per_sample_grads(*hf_zoo.batch())
 
 
-def test_moe_with_the_data_dependent_expert_loop_is_refused_with_the_way_out():
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_moe_experts_of_any_implementation_are_captured_as_batched_mm_and_exact(implementation):
+    """transformers' default ``grouped_mm`` sorts the batch's tokens by expert and ``eager`` loops
+    over the experts hit (no static graph); the capture runs ``batched_mm``, the same sums in
+    fixed shapes, and leaves the model's own choice as it was."""
     cfg = hf_zoo.tiny_config("mixtral")
-    cfg._experts_implementation = "eager"  # transformers' default: loops over the experts hit
+    cfg._experts_implementation = implementation
     torch.manual_seed(0)
     model = lf.CausalLMLoss(transformers.AutoModelForCausalLM.from_config(cfg))
-    with pytest.raises(UnsupportedModelError, match="cannot be traced.*experts_implementation='batched_mm'"):
-        lf.compile(model).per_sample_grads(*hf_zoo.batch())
+    ids, labels = hf_zoo.batch()
+    ref = hf_zoo.loop_per_sample_grads(model, ids, labels)
+    assert hf_zoo.error_of_ours(model, ids, labels, ref) <= 1e-5
+    assert cfg._experts_implementation == implementation
