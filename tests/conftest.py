@@ -272,3 +272,27 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     _LAUNCHES.close()
+
+
+@pytest.fixture
+def hook_calls(monkeypatch):
+    """The names of the hook registrations made while the test runs (module, tensor and
+    global hooks): the library registers none."""
+    from torch import nn
+    import torch.nn.modules.module as module_hooks
+
+    calls = []
+    for cls, names in ((nn.Module, ["register_forward_hook", "register_forward_pre_hook",
+                                    "register_full_backward_hook", "register_backward_hook",
+                                    "register_full_backward_pre_hook"]),
+                       (torch.Tensor, ["register_hook", "register_post_accumulate_grad_hook"])):
+        for name in names:
+            def spy(self, *a, _original=getattr(cls, name), _name=name, **k):
+                calls.append(_name)
+                return _original(self, *a, **k)
+
+            monkeypatch.setattr(cls, name, spy)
+    for name in ["register_module_forward_hook", "register_module_forward_pre_hook",
+                 "register_module_full_backward_hook", "register_module_backward_hook"]:
+        monkeypatch.setattr(module_hooks, name, lambda *a, _n=name, **k: calls.append(_n))
+    return calls

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import longshield_fx as lf
@@ -253,28 +252,6 @@ def test_both_settings_give_identical_per_sample_grads_and_clipped_sums(hook_cal
 
 
 # --- no hooks on the sharded path --------------------------------------------------------------
-
-@pytest.fixture
-def hook_calls(monkeypatch):
-    """The names of hook registrations made while the test runs (module, tensor and global
-    hooks), as tests/runtime/test_engine.py's spy does for the unsharded engine."""
-    calls = []
-    for cls, names in ((nn.Module, ["register_forward_hook", "register_forward_pre_hook",
-                                    "register_full_backward_hook", "register_backward_hook",
-                                    "register_full_backward_pre_hook"]),
-                       (torch.Tensor, ["register_hook", "register_post_accumulate_grad_hook"])):
-        for name in names:
-            def spy(self, *a, _original=getattr(cls, name), _name=name, **k):
-                calls.append(_name)
-                return _original(self, *a, **k)
-
-            monkeypatch.setattr(cls, name, spy)
-    import torch.nn.modules.module as M
-    for name in ["register_module_forward_hook", "register_module_forward_pre_hook",
-                 "register_module_full_backward_hook", "register_module_backward_hook"]:
-        monkeypatch.setattr(M, name, lambda *a, _n=name, **k: calls.append(_n))
-    return calls
-
 
 def hooks_held(model) -> list:
     """Hooks held by the model's modules, its parameters and globally (counts)."""
