@@ -77,6 +77,17 @@ for _kernel, _rows in _ATTENTION_KERNELS.items():
     ATTENTION_BATCHED_OUTPUTS[FUSED_ATTENTION[_fwd]] = (0, 1, 2)  # dq, dk, dv
 
 
+def arg_of(node: fx.Node, name: str, default=None):
+    """Argument ``name`` of an aten call, by its schema (positional, keyword or default)."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name != name:
+            continue
+        if not arg.kwarg_only and i < len(node.args):
+            return node.args[i]
+        return node.kwargs.get(name, arg.default_value if arg.has_default_value() else default)
+    return default
+
+
 def norm_dim(dim: int, rank: int) -> int:
     """A dim argument as a non-negative index."""
     return dim + rank if dim < 0 else dim

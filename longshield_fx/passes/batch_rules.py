@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedModelError
-from ._graph import (ATTENTION_BATCHED_OUTPUTS, CONSTANT_LIKE, REDUCTIONS, module_of, norm_dim, permutation,
+from ._graph import (ATTENTION_BATCHED_OUTPUTS, CONSTANT_LIKE, REDUCTIONS, arg_of, module_of, norm_dim, permutation,
                      reduced_dims, val)
 from .batch_dims import (BatchDim, Mixing, RowPosition, batch_dim, broadcast_aligned, pointwise_rule,
                          register_batch_rule, single_tag, untagged, weights_only)
@@ -175,21 +175,17 @@ def _reduction(node, B):
     return (out, out) if isinstance(node.meta["val"], tuple) else out
 
 
-def _along_dim(dim_arg_index):
-    def rule(node, B):
-        tag = single_tag(node)
-        rank = val(node.args[0]).dim()
-        dim = node.args[dim_arg_index] if len(node.args) > dim_arg_index else node.kwargs.get("dim", -1)  # sort's default
-        if norm_dim(dim, rank) == tag.dim:
-            raise Mixing("normalises or accumulates along the batch dimension")
-        return (tag,) * len(node.meta["val"]) if isinstance(node.meta["val"], tuple) else tag
-    return rule
+def _along_dim(node, B):
+    tag = single_tag(node)
+    if norm_dim(arg_of(node, "dim"), val(node.args[0]).dim()) == tag.dim:
+        raise Mixing("normalises or accumulates along the batch dimension")
+    return (tag,) * len(node.meta["val"]) if isinstance(node.meta["val"], tuple) else tag
 
 
 register_batch_rule(aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default,
-                    aten.cumsum.default, aten.sort.default)(_along_dim(1))
+                    aten.cumsum.default, aten.sort.default)(_along_dim)
 register_batch_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
-                    aligned=broadcast_aligned)(_along_dim(2))
+                    aligned=broadcast_aligned)(_along_dim)
 
 
 @register_batch_rule(aten.tril.default, aten.triu.default)

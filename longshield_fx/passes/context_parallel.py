@@ -41,7 +41,7 @@ from .._torch import c10d
 from ..errors import UnsupportedModelError
 from .. import ops  # noqa: F401  (registers longshield::ring_attention)
 from ._context import KEEP_SELECTIVE, PassContext
-from ._graph import FUSED_ATTENTION, GraphBuilder, module_of, val
+from ._graph import FUSED_ATTENTION, GraphBuilder, arg_of, module_of, val
 from .batch_dims import BatchDim, batch_dim, register_batch_rule
 
 aten = torch.ops.aten
@@ -72,9 +72,9 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             backward_of[tuple(node.args[1:4])] = node
     for fwd in [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_ATTENTION]:
         q, k_rep, v_rep = fwd.args[:3]
-        dropout = _arg(fwd, "dropout_p", 0.0)
-        is_causal = _arg(fwd, "is_causal", False)
-        mask = _arg(fwd, "attn_mask") or _arg(fwd, "attn_bias")
+        dropout = arg_of(fwd, "dropout_p", 0.0)
+        is_causal = arg_of(fwd, "is_causal", False)
+        mask = arg_of(fwd, "attn_mask") or arg_of(fwd, "attn_bias")
         where = f"{fwd.name} in {module_of(fwd)}"
         if dropout:
             raise UnsupportedModelError(f"context_parallel: attention dropout at {where} is not supported; set it to 0")
@@ -82,7 +82,7 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise UnsupportedModelError(
                 f"context_parallel: attention at {where} is not causal (or its mask depends on the samples); "
                 "ring attention here supports causal language-model attention only")
-        scale = _arg(fwd, "scale") or val(q).shape[-1] ** -0.5
+        scale = arg_of(fwd, "scale") or val(q).shape[-1] ** -0.5
         k, k_group_sum = _unrepeat(k_rep)
         v, v_group_sum = _unrepeat(v_rep)
         bwd = backward_of.get((q, k_rep, v_rep))
@@ -247,7 +247,7 @@ def _refuse_unrewritten_attention(graph: fx.Graph) -> None:
         if node.target in _ATTENTION_OPS:
             raise UnsupportedModelError(f"context_parallel: attention node {node.name} could not be rewritten")
         if node.target in _SOFTMAX and node.meta.get("partitioner_tag") == "is_forward" \
-                and val(node).shape[_arg(node, "dim")] == local_len:
+                and val(node).shape[arg_of(node, "dim")] == local_len:
             # Attention written as matmul + softmax would attend within the local shard only.
             if _feeds_dropout(node):  # SDPA with dropout_p > 0 runs as math attention on the CPU
                 raise UnsupportedModelError(
@@ -264,17 +264,6 @@ def _feeds_dropout(node: fx.Node, depth: int = 3) -> bool:
     """Whether ``node`` reaches a dropout within ``depth`` ops (through casts and views)."""
     return any(u.target == torch.ops.aten.native_dropout.default or (depth > 1 and _feeds_dropout(u, depth - 1))
                for u in node.users)
-
-
-def _arg(node: fx.Node, name: str, default=None):
-    """Argument ``name`` of an aten call, by its schema (positional, keyword or default)."""
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name != name:
-            continue
-        if not arg.kwarg_only and i < len(node.args):
-            return node.args[i]
-        return node.kwargs.get(name, arg.default_value if arg.has_default_value() else default)
-    return default
 
 
 def _local_sequence_length(graph: fx.Graph) -> int | None:
