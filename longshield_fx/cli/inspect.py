@@ -64,7 +64,7 @@ def collective_bytes(engine, node) -> int:
         env[a] = g.placeholder(a.name)
         env[a].meta = dict(a.meta)
     g.node_copy(node, lambda a: env[a])
-    return sum(engine.parallel.communication_bytes(types.SimpleNamespace(graph=g)).values())
+    return sum(engine.parallel.communication_bytes(types.SimpleNamespace(graph=g), engine._group_ranks()).values())
 
 
 def _block_pattern(block: str):

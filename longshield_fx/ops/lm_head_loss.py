@@ -8,9 +8,14 @@ per-sample gradient ``sum_t dz_bt ⊗ h_bt`` (a (B, V, d) accumulator), then dro
 Forward and backward are one op because the joint graph already holds the loss cotangent, so
 no logits are kept or recomputed between them.
 
-Rounding follows the unchunked graph: logits in ``h``'s dtype, cast to ``logits_dtype`` for
-the softmax, their gradient cast back to ``h``'s dtype before the matmuls. The per-sample
-gradient is accumulated over chunks in fp32 and returned in ``w``'s dtype.
+The chunk's logits live in one buffer: the softmax and then its gradient are formed in place
+(``exp(z - max)``, its row sums, then ``g * (p - onehot(y))``), where ``log_softmax`` would
+need a second buffer for its output. Rounding follows the unchunked graph: logits in ``h``'s
+dtype, the softmax in ``logits_dtype`` computed at least in fp32 (``log_softmax``'s own
+accumulation type), the gradient cast back to ``h``'s dtype before the matmuls. Each position's
+loss is ``log(sum) - (z_y - max)``, the terms ``log_softmax`` computes, so the two agree to an
+ulp (the row sum's order may differ). The per-sample gradient is accumulated over chunks in
+fp32 and returned in ``w``'s dtype.
 """
 from __future__ import annotations
 
@@ -20,14 +25,16 @@ from torch import Tensor
 
 def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype, weight_grad: bool) -> int:
     """Bytes the op holds beyond its inputs and outputs while a chunk is in flight (an upper
-    bound): the chunk's logits in h's dtype, their ``logits_dtype`` copy (turned into the
-    gradient in place), its cast back and, for low-precision h, its fp32 copy for the
+    bound): the chunk's logits in the softmax's dtype (``logits_dtype``, at least fp32; softmax
+    and gradient are formed in that buffer), their matmul output in h's dtype when it differs
+    (cast from, and back to), and for low-precision h the fp32 copy of the gradient for the
     accumulator; plus that fp32 (B, V, d) accumulator when w is not fp32."""
     B, T, _ = h.shape
     V, d = w.shape
-    chunk_bytes = B * min(chunk, T) * V * (2 * h.element_size() + logits_dtype.itemsize
-                                           + (4 if h.dtype != torch.float32 else 0))
-    return chunk_bytes + (B * V * d * 4 if weight_grad and w.dtype != torch.float32 else 0)
+    work = torch.promote_types(logits_dtype, torch.float32)
+    per_logit = (work.itemsize + (h.element_size() if h.dtype != work else 0)
+                 + (4 if h.dtype != torch.float32 else 0))
+    return B * min(chunk, T) * V * per_logit + (B * V * d * 4 if weight_grad and w.dtype != torch.float32 else 0)
 
 
 @torch.library.custom_op("longshield::lm_head_loss", mutates_args=())
@@ -47,22 +54,24 @@ def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int,
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format)
     per_sample = torch.zeros(B, V if weight_grad else 0, d, dtype=torch.float32, device=h.device)
     wt = w.t()
+    work = torch.promote_types(logits_dtype, torch.float32)  # log_softmax accumulates in this
     for start in range(0, T, chunk):
         stop = min(start + chunk, T)
         hc = h[:, start:stop]
-        z = torch.matmul(hc, wt).to(logits_dtype)  # (B, c, V)
         y = labels[:, start:stop]
         counted = y != ignore_index
         target = torch.where(counted, y, 0).unsqueeze(-1)
-        # The unchunked graph's kernels on each chunk (log_softmax reduces over V row by row),
-        # so each position's loss and gradient round as they would there.
-        logp = torch.log_softmax(z, dim=-1)
-        loss[:, start:stop] = torch.where(counted, -logp.gather(-1, target).squeeze(-1), 0)
-        # d loss / d z = g * (softmax(z) - onehot(y)), formed in logp's buffer.
-        g = torch.where(counted, grad[:, start:stop].to(logp.dtype), 0).unsqueeze(-1)
-        dz = logp.exp_().mul_(g)
-        dz.scatter_add_(-1, target, -g)
-        dz = dz.to(h.dtype)
+        g = torch.where(counted, grad[:, start:stop].to(work), 0).unsqueeze(-1)
+        z = torch.matmul(hc, wt).to(work)  # (B, c, V), the chunk's one logits buffer
+        # log_softmax's own terms, row by row over V: z - max, the log of the sum of its exp.
+        z.sub_(z.amax(-1, keepdim=True))
+        z_y = z.gather(-1, target)
+        total = z.exp_().sum(-1, keepdim=True)
+        loss[:, start:stop] = torch.where(counted, (total.log() - z_y).squeeze(-1), 0)
+        # d loss / d z = g * (softmax(z) - onehot(y)), in the same buffer.
+        z.div_(total).mul_(g).scatter_add_(-1, target, -g)
+        dz = z.to(h.dtype)
+        del z  # a cast made a copy: the softmax's buffer goes before the fp32 one comes
         grad_h[:, start:stop] = torch.matmul(dz, w)
         if weight_grad:
             per_sample.baddbmm_(dz.transpose(1, 2).float(), hc.float())

@@ -34,6 +34,8 @@ class PassContext:
     fsdp_size: int = 1  # shards of each parameter (1: parameters enter the graph whole)
     fsdp_group_name: str | None = None
     fsdp_replica_group_name: str | None = None  # hybrid sharding: the ranks holding the same shard
+    fsdp_rank: int = 0  # this rank's shard
+    fsdp_sp_ranks: tuple = ()  # the sp rank of each member of the fsdp group, in group order
     reshard_after_forward: bool = True
 
     def param_meta(self, name: str) -> dict:

@@ -47,7 +47,7 @@ from .per_sample import PerSampleGrad, Rewriter
 
 aten = torch.ops.aten
 _EPS = 1e-6
-_NORM_CHUNK = 2 ** 24  # elements per float64 copy when summing squares (128 MiB)
+_NORM_CHUNK = 2 ** 22  # elements per float64 copy when summing squares (32 MiB: below a large head's gradient)
 
 
 def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -246,7 +246,8 @@ def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.N
     B, n = val(indices).shape
     scaled = b(aten.mul.Tensor, _mask_rows(b, keep, _fp32(b, values)), b(aten.view.default, factor, [B, 1] + [1] * len(row)))
     zeros = b(aten.zeros.default, [V, *row], dtype=torch.float32, device=val(values).device)
-    return b(aten.index_add.default, zeros, 0, b(aten.reshape.default, indices, [B * n]),
+    # In place into fresh zeros: one (V, ...) buffer, not two (a large vocabulary's peak).
+    return b(aten.index_add_.default, zeros, 0, b(aten.reshape.default, indices, [B * n]),
              b(aten.view.default, scaled, [B * n, *row]))
 
 

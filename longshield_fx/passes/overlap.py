@@ -180,12 +180,16 @@ def collective_signature(order) -> list[tuple]:
 
     The group (every functional collective's last argument) is named by the order in which
     this rank first uses it: ranks of different groups of one mesh dim (the cp group of dp
-    replica 0 and of replica 1) hold different group names for the same role."""
+    replica 0 and of replica 1) hold different group names for the same role. An
+    all-to-all's split sizes are per rank (``scatter_clipped_sums``' exchange sends each rank
+    other rows): their totals are what every rank shares."""
     out, groups = [], {}
     for node in order:
         if node.target in COLLECTIVES:
             shape = tuple(val(node.args[0]).shape) if val(node.args[0]) is not None else None
             *args, group = node.args[1:]
+            if node.target == c10d.all_to_all_single.default:
+                args = [sum(splits) for splits in args]
             role = f"group {groups.setdefault(group, len(groups))}"
             out.append((str(node.target), shape, tuple(a for a in args if not isinstance(a, fx.Node)) + (role,)))
     return out

@@ -9,8 +9,10 @@ of longshield.md Figure 5):
 
 - a reduce-scatter over cp (``_c10d_functional.reduce_scatter_tensor`` + ``wait_tensor``)
   that leaves each rank a shard (B, p/cp, d) of the full per-sample gradient. The shard
-  dim is the larger of the parameter's first two dims among those divisible by cp (ties:
-  dim 0); its bytes per step are B·p·d·4, independent of T;
+  dim is dim 0 if cp divides it, else dim 1 if cp divides that: dim 0 is the one model
+  states are sharded along (``scatter_clipped_sums`` can then hand shards on without
+  padding) and, for B = 1, already at the front for the collective (no copy). Its bytes
+  per step are B·p·d·4, independent of T;
 - an all-reduce instead, for parameters with one dim (norm weights, biases) or none
   divisible by cp: small, and replicated on every cp rank.
 
@@ -19,8 +21,13 @@ parameter whose per-sample gradient is one einsum over the tokens gathers the ei
 two operands over cp instead and computes its own shard locally: same shard, bytes
 growing with T. Offered to measure the trade-off; input-stationary is the default.
 
-Embedding gradients in sparse-row form are made dense (B, V, H) first: rows from
-different cp ranks may hit the same token and must be added before any norm.
+Embedding gradients in sparse-row form (``rows``: each token's row of the gradient and its
+id) are made dense (B, V, H) first: rows from different cp ranks may hit the same token and
+must be added before any norm. When every cp rank's rows together are smaller than the dense
+gradient (fewer tokens in the sequence than rows in the table), each rank instead
+all-gathers the rows and ids over cp and adds only those of its own shard (B, V/cp, H): the
+dense (B, V, H) buffer and its reduce-scatter never exist. Bytes then grow with T, and stay
+below the reduce-scatter's.
 
 Assumes: ``per_sample`` ran with the sequence sharded over ``ctx.sp_group_name``.
 Guarantees: each parameter placeholder's ``meta[PER_SAMPLE_GRAD].dense`` is the shard (or
@@ -29,6 +36,8 @@ along (None: replicated), so ``clip`` can all-reduce the squared norms of the sh
 exactly once.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -46,10 +55,7 @@ def shard_dim(shape, cp: int) -> int | None:
     """The parameter dim a per-sample gradient is sharded along, or None (all-reduce)."""
     if len(shape) < 2:
         return None
-    candidates = [d for d in (0, 1) if shape[d] % cp == 0]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda d: (shape[d], -d))
+    return next((d for d in (0, 1) if shape[d] % cp == 0), None)
 
 
 def _position(graph: fx.Graph):
@@ -68,10 +74,16 @@ def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         meta = ctx.param_meta(name)
         g = meta[PER_SAMPLE_GRAD]
         anchor = max(g.nodes, key=_position(gm.graph))
-        # inserting_before(x.next): nodes land right after x, in creation order.
+        dim = shard_dim(g.shape, cp)
+        if dim == 0 and _rows_are_smaller(g, cp):
+            # inserting_before(x.next): nodes land right after x, in creation order.
+            with gm.graph.inserting_before(anchor.next):
+                reduced = _gathered_rows(rw, g, ctx)
+            _record(meta, reduced, dim)
+            outputs.append(reduced)
+            continue
         with gm.graph.inserting_before(anchor.next):
             full = rw.densify(g)
-        dim = shard_dim(g.shape, cp)
         einsum = _plain_einsum(g)
         with gm.graph.inserting_before(full.next):
             if dim is not None and einsum is not None and ctx.config.per_sample_comm == "output_stationary":
@@ -80,19 +92,63 @@ def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 reduced = rw.call(c10d.wait_tensor.default, rw.call(c10d.all_reduce.default, full, "sum", group))
             else:
                 # reduce_scatter_tensor scatters dim 0: bring the shard dim to the front.
-                front = rw.call(aten.movedim.int, full, dim + 1, 0)
-                front = rw.call(aten.clone.default, front, memory_format=torch.contiguous_format)
+                front = rw.call(aten.contiguous.default, rw.call(aten.movedim.int, full, dim + 1, 0))
                 scattered = rw.call(c10d.wait_tensor.default,
                                     rw.call(c10d.reduce_scatter_tensor.default, front, "sum", cp, group))
                 reduced = rw.call(aten.movedim.int, scattered, 0, dim + 1)
-        reduced.meta["batch_dim"] = BatchDim(0, 1)
-        meta[PER_SAMPLE_GRAD] = PerSampleGrad(tuple(val(reduced).shape[1:]), reduced)
-        meta[CP_SHARD_DIM] = dim
+        _record(meta, reduced, dim)
         outputs.append(reduced)
     output.args = ((loss, *outputs),)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _record(meta: dict, reduced: fx.Node, dim: int | None) -> None:
+    reduced.meta["batch_dim"] = BatchDim(0, 1)
+    meta[PER_SAMPLE_GRAD] = PerSampleGrad(tuple(val(reduced).shape[1:]), reduced)
+    meta[CP_SHARD_DIM] = dim
+
+
+def _rows_are_smaller(g: PerSampleGrad, cp: int) -> bool:
+    """True for a gradient made only of sparse rows whose ids and values, gathered from
+    every cp rank, take fewer bytes than its dense form (per sample)."""
+    if not g.rows or g.dense is not None or g.outer:
+        return False
+    row = math.prod(g.shape[1:])
+    gathered = sum(cp * val(ids).shape[1] * (row * val(values).element_size() + val(ids).element_size())
+                   for ids, values in g.rows)
+    return gathered < g.shape[0] * row * val(g.rows[0][1]).element_size()
+
+
+def _gathered_rows(rw: Rewriter, g: PerSampleGrad, ctx: PassContext) -> fx.Node:
+    """This rank's shard (B, V/cp, *row) of a sparse-row gradient: every cp rank's ids and
+    rows gathered, those in the shard added into it (in place: one shard buffer)."""
+    cp, group, rank = ctx.sp_size, ctx.sp_group_name, ctx.sp_rank
+    B, row = rw.B, list(g.shape[1:])
+    size = g.shape[0] // cp
+    like = val(g.rows[0][1])
+    shard = rw.call(aten.zeros.default, [B * size, *row], dtype=like.dtype, device=like.device)
+    offsets = rw.call(aten.unsqueeze.default, rw.call(aten.mul.Tensor, rw.call(
+        aten.arange.default, B, device=val(g.rows[0][0]).device), size), 1)
+    for ids, values in g.rows:
+        ids, values = _gather_tokens(rw, ids, cp, group), _gather_tokens(rw, values, cp, group)
+        n = val(ids).shape[1]
+        local = rw.call(aten.sub.Tensor, ids, rank * size)
+        inside = rw.call(aten.logical_and.default, rw.call(aten.ge.Scalar, local, 0), rw.call(aten.lt.Scalar, local, size))
+        local = rw.call(aten.add.Tensor, rw.call(aten.where.ScalarOther, inside, local, 0), offsets)
+        mask = rw.call(aten.view.default, inside, [B, n] + [1] * len(row))
+        values = rw.call(aten.where.ScalarOther, mask, values, 0.0)
+        shard = rw.call(aten.index_add_.default, shard, 0, rw.call(aten.reshape.default, local, [B * n]),
+                        rw.call(aten.reshape.default, values, [B * n, *row]))
+    return rw.call(aten.view.default, shard, [B, size, *row])
+
+
+def _gather_tokens(rw: Rewriter, x: fx.Node, cp: int, group: str) -> fx.Node:
+    """(B, n, ...) -> (B, cp*n, ...): every cp rank's rows, rank by rank."""
+    front = rw.call(aten.contiguous.default, rw.call(aten.movedim.int, x, 1, 0))
+    gathered = rw.call(c10d.wait_tensor.default, rw.call(c10d.all_gather_into_tensor.default, front, cp, group))
+    return rw.call(aten.movedim.int, gathered, 0, 1)
 
 
 def _plain_einsum(g: PerSampleGrad) -> fx.Node | None:
@@ -123,7 +179,7 @@ def _output_stationary(rw: Rewriter, einsum: fx.Node, dim: int, ctx: PassContext
     operands = []
     for x, lab in zip(einsum.args[1], labels):
         t = lab.index(token)
-        front = rw.call(aten.clone.default, rw.call(aten.movedim.int, x, t, 0), memory_format=torch.contiguous_format)
+        front = rw.call(aten.contiguous.default, rw.call(aten.movedim.int, x, t, 0))
         gathered = rw.call(c10d.wait_tensor.default, rw.call(c10d.all_gather_into_tensor.default, front, cp, group))
         full = rw.call(aten.movedim.int, gathered, 0, t)
         if shard_label in lab:

@@ -34,7 +34,7 @@ from ..errors import UnsupportedModelError
 
 class Sharding:
     """How model states are sharded: ``n`` shards over ``group`` (this rank holds shard
-    ``index``), replicated over ``replica_group`` (None: every rank holds its own shard);
+    ``index``; ``members[i]`` is the global rank holding shard i), replicated over ``replica_group`` (None: every rank holds its own shard);
     whether the backward gathers again (``reshard_after_forward``)."""
 
     def __init__(self, mesh, dims: tuple[str, ...], reshard_after_forward: bool = True):
@@ -63,6 +63,7 @@ class Sharding:
         self.replica_group = self.mesh.get_group(1 - at) if replicate else None
         self.n = dist.get_world_size(self.group)
         self.index = dist.get_rank(self.group)
+        self.members = dist.get_process_group_ranks(self.group)  # global ranks, by shard
 
     @classmethod
     def from_mesh(cls, mesh, dims, reshard_after_forward: bool = True) -> "Sharding | None":

@@ -108,6 +108,18 @@ class Parallel:
                              f"{what} = {multiple} (two zig-zag chunks per cp rank{cut}); pad the sequences with "
                              "label -100")
 
+    def sp_rank_of(self, rank: int) -> int:
+        """Global ``rank``'s index in its sp group: row-major over its mesh coordinates along
+        the sequence dims ("cp", "hp"), as ``flattened_group`` orders the group."""
+        if self.mesh is None:
+            return 0
+        where = (self.mesh.mesh == rank).nonzero()[0].tolist()
+        index = 0
+        for name, size, at in zip(self.mesh.mesh_dim_names, self.mesh.shape, where):
+            if name in ("cp", "hp"):
+                index = index * size + at
+        return index
+
     def positions(self, T: int) -> torch.Tensor:
         """Global positions of this rank's tokens: its hp piece of its cp rank's zig-zag shard."""
         shard = zigzag_index(T, self.cp, self.cp_rank)
@@ -187,10 +199,11 @@ class Parallel:
                 f"longshield_fx: a peer rank probably died or stopped calling the engine: a collective over "
                 f"the mesh ({self}) failed (waits are bounded by init_process_group(timeout=...)): {e}") from e
 
-    def communication_bytes(self, gm) -> dict[str, int]:
+    def communication_bytes(self, gm, group_ranks: dict[str, int] | None = None) -> dict[str, int]:
         """Bytes each rank sends per step, by kind, read off the graph's collective nodes: a
         reduce-scatter or all-reduce counts its input, an all-gather the gathered buffer, an
-        all-to-all the (hp-1)/hp of its input that leaves the rank, ring attention its
+        all-to-all the part of its input that leaves the rank ((hp-1)/hp for the head
+        all-to-alls; ``group_ranks``: this rank's index in any other all-to-all's group), ring attention its
         (cp-1) K/V hops (and in the backward the fp32 dK/dV accumulators' hops)."""
         out = {"reduce_scatter": 0, "all_reduce": 0, "all_gather": 0, "all_to_all": 0, "ring_attention": 0}
         if self.mesh is None:
@@ -205,8 +218,10 @@ class Parallel:
                 out["all_reduce"] += nbytes[0]
             elif node.target == c10d.all_gather_into_tensor.default:
                 out["all_gather"] += nbytes[0] * node.args[1]  # the gathered buffer
-            elif node.target == c10d.all_to_all_single.default:
-                out["all_to_all"] += nbytes[0] * (self.hp - 1) // self.hp
+            elif node.target == c10d.all_to_all_single.default:  # what leaves: every split but this rank's
+                sent, group = node.args[2], node.args[3]
+                me = self.hp_rank if group == self.hp_group_name else (group_ranks or {})[group]
+                out["all_to_all"] += nbytes[0] * (sum(sent) - sent[me]) // sum(sent)
             elif node.target == ring.ring_attention.default and self.cp > 1:
                 out["ring_attention"] += (self.cp - 1) * (nbytes[1] + nbytes[2])
             elif node.target == ring.ring_attention_backward.default and self.cp > 1:

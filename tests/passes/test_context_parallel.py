@@ -269,12 +269,15 @@ all_to_all_single [(2, 2, 2, 8, 16)] -> [(2, 2, 2, 8, 16)] x8
 all_to_all_single [(2, 2, 1, 8, 16)] -> [(2, 2, 1, 8, 16)] x8
 ring_attention [(2, 2, 16, 16), (2, 1, 16, 16), (2, 1, 16, 16)] -> [(2, 2, 16, 16), (2, 2, 16)] x2
 lm_head_loss [(2, 8, 64), (256, 64), (2, 8), (2, 8)] -> [(2, 8), (2, 8, 64), (2, 256, 64)] x1
-reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x2
+reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x1
 all_reduce [(2, 64)] -> [(2, 64)] x5
-reduce_scatter_tensor [(192, 2, 64)] -> [(48, 2, 64)] x6
+reduce_scatter_tensor [(64, 2, 192)] -> [(16, 2, 192)] x2
+reduce_scatter_tensor [(192, 2, 64)] -> [(48, 2, 64)] x4
 reduce_scatter_tensor [(64, 2, 64)] -> [(16, 2, 64)] x4
 ring_attention_backward [(2, 2, 16, 16), (2, 2, 16, 16), (2, 1, 16, 16), (2, 1, 16, 16), (2, 2, 16, 16), (2, 2, 16)] -> [(2, 2, 16, 16), (2, 1, 16, 16), (2, 1, 16, 16)] x2
-reduce_scatter_tensor [(64, 2, 32)] -> [(16, 2, 32)] x4
+reduce_scatter_tensor [(32, 2, 64)] -> [(8, 2, 64)] x4
+all_gather_into_tensor [(8, 2)] -> [(32, 2)] x1
+all_gather_into_tensor [(8, 2, 64)] -> [(32, 2, 64)] x1
 all_reduce [(2,)] -> [(2,)] x1""")
 
 
@@ -285,12 +288,15 @@ all_to_all_single [(2, 2, 2, 8, 16)] -> [(2, 2, 2, 8, 16)] x8
 all_to_all_single [(2, 2, 1, 8, 16)] -> [(2, 2, 1, 8, 16)] x8
 ring_attention [(2, 2, 16, 16), (2, 1, 16, 16), (2, 1, 16, 16)] -> [(2, 2, 16, 16), (2, 2, 16)] x2
 lm_head_loss [(2, 8, 64), (256, 64), (2, 8), (2, 8)] -> [(2, 8), (2, 8, 64), (2, 256, 64)] x1
-reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x2
+reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x1
 all_reduce [(2, 64)] -> [(2, 64)] x5
-reduce_scatter_tensor [(192, 2, 64)] -> [(48, 2, 64)] x6
+reduce_scatter_tensor [(64, 2, 192)] -> [(16, 2, 192)] x2
+reduce_scatter_tensor [(192, 2, 64)] -> [(48, 2, 64)] x4
 reduce_scatter_tensor [(64, 2, 64)] -> [(16, 2, 64)] x4
 ring_attention_backward [(2, 2, 16, 16), (2, 2, 16, 16), (2, 1, 16, 16), (2, 1, 16, 16), (2, 2, 16, 16), (2, 2, 16)] -> [(2, 2, 16, 16), (2, 1, 16, 16), (2, 1, 16, 16)] x2
-reduce_scatter_tensor [(64, 2, 16)] -> [(16, 2, 16)] x4
+reduce_scatter_tensor [(16, 2, 64)] -> [(4, 2, 64)] x4
+all_gather_into_tensor [(8, 2)] -> [(32, 2)] x1
+all_gather_into_tensor [(8, 2, 64)] -> [(32, 2, 64)] x1
 all_reduce [(2,)] -> [(2,)] x1""")
 
 

@@ -173,7 +173,8 @@ def test_bf16_compute_gathers_bf16_while_the_shards_stay_fp32(fake_world):
         ids = torch.zeros(2, 32, dtype=torch.long)
         gm = engine.lower(ids, ids).gm
         masters = {p.to_local().dtype for p in model.parameters()}
-    gathers = [n for n in gm.graph.nodes if n.target == GATHER]
+        fsdp_group = engine.sharding.group.group_name
+    gathers = [n for n in gm.graph.nodes if n.target == GATHER and n.args[2] == fsdp_group]  # not the token rows'
     assert gathers and {g.meta["val"].dtype for g in gathers} == {torch.bfloat16}
     assert {g.args[0].meta["val"].dtype for g in gathers} == {torch.bfloat16}  # cast before the gather
     assert masters == {torch.float32}

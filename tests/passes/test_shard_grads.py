@@ -19,12 +19,15 @@ def test_collectives_cp2(cp_graph, describe_collectives):
     assert_expected_inline(describe_collectives(cp_graph(2).gm), """\
 ring_attention [(2, 4, 16, 16), (2, 2, 16, 16), (2, 2, 16, 16)] -> [(2, 4, 16, 16), (2, 4, 16)] x2
 lm_head_loss [(2, 16, 64), (256, 64), (2, 16), (2, 16)] -> [(2, 16), (2, 16, 64), (2, 256, 64)] x1
-reduce_scatter_tensor [(256, 2, 64)] -> [(128, 2, 64)] x2
+reduce_scatter_tensor [(256, 2, 64)] -> [(128, 2, 64)] x1
 all_reduce [(2, 64)] -> [(2, 64)] x5
-reduce_scatter_tensor [(192, 2, 64)] -> [(96, 2, 64)] x6
+reduce_scatter_tensor [(64, 2, 192)] -> [(32, 2, 192)] x2
+reduce_scatter_tensor [(192, 2, 64)] -> [(96, 2, 64)] x4
 reduce_scatter_tensor [(64, 2, 64)] -> [(32, 2, 64)] x4
 ring_attention_backward [(2, 4, 16, 16), (2, 4, 16, 16), (2, 2, 16, 16), (2, 2, 16, 16), (2, 4, 16, 16), (2, 4, 16)] -> [(2, 4, 16, 16), (2, 2, 16, 16), (2, 2, 16, 16)] x2
-reduce_scatter_tensor [(64, 2, 32)] -> [(32, 2, 32)] x4
+reduce_scatter_tensor [(32, 2, 64)] -> [(16, 2, 64)] x4
+all_gather_into_tensor [(16, 2)] -> [(32, 2)] x1
+all_gather_into_tensor [(16, 2, 64)] -> [(32, 2, 64)] x1
 all_reduce [(2,)] -> [(2,)] x1""")
 
 
@@ -32,12 +35,15 @@ def test_collectives_cp4(cp_graph, describe_collectives):
     assert_expected_inline(describe_collectives(cp_graph(4).gm), """\
 ring_attention [(2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)] -> [(2, 4, 8, 16), (2, 4, 8)] x2
 lm_head_loss [(2, 8, 64), (256, 64), (2, 8), (2, 8)] -> [(2, 8), (2, 8, 64), (2, 256, 64)] x1
-reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x2
+reduce_scatter_tensor [(256, 2, 64)] -> [(64, 2, 64)] x1
 all_reduce [(2, 64)] -> [(2, 64)] x5
-reduce_scatter_tensor [(192, 2, 64)] -> [(48, 2, 64)] x6
+reduce_scatter_tensor [(64, 2, 192)] -> [(16, 2, 192)] x2
+reduce_scatter_tensor [(192, 2, 64)] -> [(48, 2, 64)] x4
 reduce_scatter_tensor [(64, 2, 64)] -> [(16, 2, 64)] x4
 ring_attention_backward [(2, 4, 8, 16), (2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16), (2, 4, 8, 16), (2, 4, 8)] -> [(2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)] x2
-reduce_scatter_tensor [(64, 2, 32)] -> [(16, 2, 32)] x4
+reduce_scatter_tensor [(32, 2, 64)] -> [(8, 2, 64)] x4
+all_gather_into_tensor [(8, 2)] -> [(32, 2)] x1
+all_gather_into_tensor [(8, 2, 64)] -> [(32, 2, 64)] x1
 all_reduce [(2,)] -> [(2,)] x1""")
 
 
@@ -50,15 +56,20 @@ def test_collectives_dp2_cp4_are_those_of_cp4(cp_graph, describe_collectives):
 def test_one_collective_per_parameter_derived_from_the_model(cp_graph, cp, dp):
     """The per-sample collectives, derived from the model's parameters and ``shard_dim``: a
     reduce-scatter of (P_d, B, *rest) along the shard dim, or an all-reduce of (B, *shape);
-    one all-reduce of the B squared norms; one ring attention (and backward) per layer."""
+    for the embedding (T = 32 tokens, fewer than its 256 rows) an all-gather of each rank's
+    token ids (T/cp, B) and gradient rows (T/cp, B, d) instead; one all-reduce of the B
+    squared norms; one ring attention (and backward) per layer."""
     shared = cp_graph(cp, dp=dp)
-    B = shared.batch[0].shape[0]
+    B, T = shared.batch[0].shape
     model = shared.engine.model
     expected = []
     for name, p in model.named_parameters():
         dim = shard_dim(tuple(p.shape), cp)
         assert shared.lowered.shard_dims[name] == dim, name
-        if dim is None:
+        if p is model.lm.tok_embeddings.weight:
+            assert T < p.shape[0] and dim == 0
+            expected += [("all_gather_into_tensor", (T // cp, B)), ("all_gather_into_tensor", (T // cp, B, p.shape[1]))]
+        elif dim is None:
             expected.append(("all_reduce", (B, *p.shape)))
         else:
             rest = [s for d, s in enumerate(p.shape) if d != dim]
@@ -71,6 +82,19 @@ def test_one_collective_per_parameter_derived_from_the_model(cp_graph, cp, dp):
     n_layers = len(model.lm.layers)
     assert sorted(str(n.target) for n in ring) == ["longshield.ring_attention.default"] * n_layers + \
         ["longshield.ring_attention_backward.default"] * n_layers
+
+
+def test_embedding_rows_are_gathered_only_while_fewer_than_the_table_rows(cp_graph):
+    """T = 32 tokens, 256 embedding rows: each rank's ids and rows are gathered and no (B, V, d)
+    buffer is reduce-scattered; T = 512: the dense gradient's reduce-scatter moves fewer bytes."""
+    V, d = cp_graph(2).engine.model.lm.tok_embeddings.weight.shape
+    for shared, gathered in ((cp_graph(2), True), (cp_graph(2, T=512, B=1), False)):
+        B, T = shared.batch[0].shape
+        found = [(str(n.target).split(".")[1], tuple(n.args[0].meta["val"].shape))
+                 for n in shared.gm.graph.nodes if n.target in COLLECTIVES]
+        rows = [("all_gather_into_tensor", (T // 2, B)), ("all_gather_into_tensor", (T // 2, B, d))]
+        assert all(f in found for f in rows) == gathered
+        assert found.count(("reduce_scatter_tensor", (V, B, d))) == (1 if gathered else 2)  # the head's, + the table's
 
 
 def test_reduce_scatter_bytes_do_not_grow_with_T_and_activations_halve_with_cp(cp_graph):
@@ -104,8 +128,9 @@ def test_input_stationary_bytes_constant_output_stationary_linear_in_T(cp_graph)
 
 
 def test_shard_dim_rule():
-    assert shard_dim((256, 64), 2) == 0      # the larger dim
-    assert shard_dim((64, 192), 4) == 1
+    assert shard_dim((256, 64), 2) == 0      # dim 0 when divisible
+    assert shard_dim((64, 192), 4) == 0
+    assert shard_dim((6, 192), 4) == 1
     assert shard_dim((64,), 2) is None       # norm weights: all-reduced
     assert shard_dim((6, 9), 4) is None      # nothing divisible
     assert shard_dim((6, 8), 4) == 1

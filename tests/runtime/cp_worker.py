@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import longshield_fx as lf  # noqa: E402
 from longshield_fx._torch import resolve_process_group  # noqa: E402
+from longshield_fx.cli.inspect import collective_bytes  # noqa: E402
 from longshield_fx.ops import ring_attention as ra  # noqa: E402
 from longshield_fx.runtime.noise import NoiseGenerator  # noqa: E402
 from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, DROPOUT_SEEDS,  # noqa: E402
@@ -66,7 +67,8 @@ def attention_collectives(gm) -> dict:
     def ranks(group_name):
         return tuple(dist.get_process_group_ranks(resolve_process_group(group_name))) if group_name else ()
 
-    all_to_all = [ranks(n.args[3]) for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
+    all_to_all = [ranks(n.args[3]) for n in gm.graph.nodes  # even splits: not the fsdp shard exchange
+                  if n.target == c10d.all_to_all_single.default and len(set(n.args[1])) == 1]
     ring = [(ranks(n.args[-3]), n.args[-2], n.args[-1]) for n in gm.graph.nodes if n.target in ring_ops]
     return {"all_to_all": all_to_all, "ring": ring}
 
@@ -107,6 +109,9 @@ def engine_case(case) -> dict:
     out["passes"] = lowered.passes
     out["chunked_loss"] = any(n.target is torch.ops.longshield.lm_head_loss.default for n in lowered.gm.graph.nodes)
     out["attention_collectives"] = attention_collectives(lowered.gm)
+    exchanges = [n for n in lowered.gm.graph.nodes  # scatter_clipped_sums' all-to-all of clipped-sum shards
+                 if n.target == torch.ops._c10d_functional.all_to_all_single.default and len(set(n.args[1])) > 1]
+    out["shard_exchange_bytes"] = sum(collective_bytes(engine, n) for n in exchanges)
 
     if not case.light:
         # The overlap pass only reorders: without it the clipped gradient must be bit-identical.
