@@ -187,8 +187,8 @@ CP_CASES = {
     "cp4w2-hf_qwen2": CPCase(4, "hf_qwen2", inner_ring=2),
     "cp4w2-hf_qwen2-selective": CPCase(4, "hf_qwen2", policy="selective", inner_ring=2, light=True),
     # Sharded model states: ZeRO-3 over every rank, and hybrid (sharded over cp, replicated over dp).
-    # "llama_odd" shards unevenly over 4 ranks (dims 50 and 250), also where the sequence group
-    # shards a gradient along dim 1 (w2: 50 x 96).
+    # "llama_odd" shards unevenly over 4 ranks (dims 50, 95 and 250), also where the sequence group
+    # shards a gradient along dim 1 (w1, w3: 95 x 50).
     "fsdp-dp2cp2-llama_odd": CPCase(4, "llama_odd", dp=2, fsdp=("dp", "cp")),
     "fsdp-dp2cp2-hf_qwen2": CPCase(4, "hf_qwen2", dp=2, fsdp=("dp", "cp")),
     "fsdp-dp2cp2-llama_odd-block": CPCase(4, "llama_odd", dp=2, policy="block", fsdp=("dp", "cp")),
@@ -206,8 +206,8 @@ CP_STEPS, CP_LR = 3, 0.5  # the training run: SGD steps (noise 0) on each replic
 
 def llama_odd(seed=0):
     """The tiny Llama with widths that 4 shards do not divide: dim 50 (5 heads of 10, one K/V
-    head), vocabulary 250."""
-    return tiny_llama(seed, dim=50, n_heads=5, n_kv_heads=1, ffn_dim=96, vocab_size=250)
+    head), ffn 95 (odd: cp=2 shards w1 and w3 along dim 1), vocabulary 250."""
+    return tiny_llama(seed, dim=50, n_heads=5, n_kv_heads=1, ffn_dim=95, vocab_size=250)
 
 
 def case_model(kind: str):
