@@ -6,7 +6,7 @@ import re
 import torch
 import torch.fx as fx
 
-from .._torch import OpOverload
+from .._torch import OpOverload, c10d
 
 aten = torch.ops.aten
 
@@ -75,6 +75,12 @@ for _kernel, _rows in _ATTENTION_KERNELS.items():
     FUSED_ATTENTION[_fwd] = getattr(aten, f"_scaled_dot_product_{_kernel}_backward").default
     ATTENTION_BATCHED_OUTPUTS[_fwd] = _rows
     ATTENTION_BATCHED_OUTPUTS[FUSED_ATTENTION[_fwd]] = (0, 1, 2)  # dq, dk, dv
+
+
+def is_head_all_to_all(node: fx.Node) -> bool:
+    """2D attention's all-to-alls over hp split evenly; ``scatter_clipped_sums``' exchange of
+    clipped-sum shards over the fsdp group does not (it sends nothing to some ranks)."""
+    return node.target == c10d.all_to_all_single.default and len(set(node.args[1])) == 1
 
 
 def arg_of(node: fx.Node, name: str, default=None):

@@ -132,7 +132,7 @@ def _gathered_rows(rw: Rewriter, g: PerSampleGrad, ctx: PassContext) -> fx.Node:
     offsets = rw.call(aten.unsqueeze.default, rw.call(aten.mul.Tensor, rw.call(
         aten.arange.default, B, device=val(g.rows[0][0]).device), size), 1)
     for ids, values in g.rows:
-        ids, values = _gather_tokens(rw, ids, cp, group), _gather_tokens(rw, values, cp, group)
+        ids, values = _gather(rw, ids, 1, cp, group), _gather(rw, values, 1, cp, group)
         n = val(ids).shape[1]
         local = rw.call(aten.sub.Tensor, ids, rank * size)
         inside = rw.call(aten.logical_and.default, rw.call(aten.ge.Scalar, local, 0), rw.call(aten.lt.Scalar, local, size))
@@ -144,11 +144,11 @@ def _gathered_rows(rw: Rewriter, g: PerSampleGrad, ctx: PassContext) -> fx.Node:
     return rw.call(aten.view.default, shard, [B, size, *row])
 
 
-def _gather_tokens(rw: Rewriter, x: fx.Node, cp: int, group: str) -> fx.Node:
-    """(B, n, ...) -> (B, cp*n, ...): every cp rank's rows, rank by rank."""
-    front = rw.call(aten.contiguous.default, rw.call(aten.movedim.int, x, 1, 0))
+def _gather(rw: Rewriter, x: fx.Node, dim: int, cp: int, group: str) -> fx.Node:
+    """``x`` all-gathered over cp along ``dim`` (cp times as long there), rank by rank."""
+    front = rw.call(aten.contiguous.default, rw.call(aten.movedim.int, x, dim, 0))
     gathered = rw.call(c10d.wait_tensor.default, rw.call(c10d.all_gather_into_tensor.default, front, cp, group))
-    return rw.call(aten.movedim.int, gathered, 0, 1)
+    return rw.call(aten.movedim.int, gathered, 0, dim)
 
 
 def _plain_einsum(g: PerSampleGrad) -> fx.Node | None:
@@ -178,10 +178,7 @@ def _output_stationary(rw: Rewriter, einsum: fx.Node, dim: int, ctx: PassContext
     shard_label = out[dim + 1]
     operands = []
     for x, lab in zip(einsum.args[1], labels):
-        t = lab.index(token)
-        front = rw.call(aten.contiguous.default, rw.call(aten.movedim.int, x, t, 0))
-        gathered = rw.call(c10d.wait_tensor.default, rw.call(c10d.all_gather_into_tensor.default, front, cp, group))
-        full = rw.call(aten.movedim.int, gathered, 0, t)
+        full = _gather(rw, x, lab.index(token), cp, group)
         if shard_label in lab:
             d = lab.index(shard_label)
             size = val(full).shape[d] // cp

@@ -34,7 +34,8 @@ from ..errors import UnsupportedModelError
 
 class Sharding:
     """How model states are sharded: ``n`` shards over ``group`` (this rank holds shard
-    ``index``; ``members[i]`` is the global rank holding shard i), replicated over ``replica_group`` (None: every rank holds its own shard);
+    ``index``; ``members[i]`` is the global rank holding shard i), replicated over
+    ``replica_group`` (None: every rank holds its own shard);
     whether the backward gathers again (``reshard_after_forward``)."""
 
     def __init__(self, mesh, dims: tuple[str, ...], reshard_after_forward: bool = True):

@@ -26,6 +26,7 @@ from ..ops.ring_attention import zigzag_index
 
 _PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "peer")
 _DIMS = ("dp", "cp", "hp")
+_SEQUENCE_DIMS = ("cp", "hp")  # the sp group: every rank holding part of one sequence
 
 
 def _size(group) -> int:
@@ -77,7 +78,7 @@ class Parallel:
                              "point-to-point transfers (ring attention) fail on device tensors; use "
                              "init_process_group('nccl') for GPUs, or keep the model on the CPU with gloo")
         groups = {n: mesh[n].get_group() for n in names}
-        sequence_dims = tuple(n for n in names if n in ("cp", "hp"))
+        sequence_dims = tuple(n for n in names if n in _SEQUENCE_DIMS)
         sp_group = flattened_group(mesh, sequence_dims)
         if dist.get_world_size(sp_group) > 1 and not isinstance(model, CausalLMLoss):
             raise ValueError("compile: context parallelism shards the sequence of a causal LM; wrap the model "
@@ -116,7 +117,7 @@ class Parallel:
         where = (self.mesh.mesh == rank).nonzero()[0].tolist()
         index = 0
         for name, size, at in zip(self.mesh.mesh_dim_names, self.mesh.shape, where):
-            if name in ("cp", "hp"):
+            if name in _SEQUENCE_DIMS:
                 index = index * size + at
         return index
 

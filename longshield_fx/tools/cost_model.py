@@ -42,7 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from .. import ops  # noqa: F401  (registers longshield::ring_attention, counted below)
 from .._torch import COLLECTIVES, c10d
-from ..passes._graph import nbytes, val
+from ..passes._graph import is_head_all_to_all, nbytes, val
 aten = torch.ops.aten
 
 
@@ -285,7 +285,7 @@ def comm_time(node: fx.Node, hw: Hardware, link: tuple[float, float] | None = No
     if node.target == c10d.all_reduce.default:
         return latency + 2 * volume / bw  # (n-1)/n ~ 1/2 for small n; upper bound n -> inf
     if node.target == c10d.all_to_all_single.default:
-        n = len(node.args[1]) if _head_all_to_all(node) else None  # the shard exchange: all may leave
+        n = len(node.args[1]) if is_head_all_to_all(node) else None  # the shard exchange: all may leave
     elif node.target in (c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default):
         n = node.args[2] if node.target == c10d.reduce_scatter_tensor.default else node.args[1]
     else:
@@ -294,12 +294,6 @@ def comm_time(node: fx.Node, hw: Hardware, link: tuple[float, float] | None = No
     if node.target == c10d.all_gather_into_tensor.default:
         volume *= n
     return latency + factor * volume / bw
-
-
-def _head_all_to_all(node: fx.Node) -> bool:
-    """2D attention's all-to-alls over hp split evenly; ``scatter_clipped_sums``' exchange of
-    clipped-sum shards over the fsdp group does not (it sends nothing to some ranks)."""
-    return node.target == c10d.all_to_all_single.default and len(set(node.args[1])) == 1
 
 
 def _ring_op_time(node: fx.Node, hw: Hardware, layout: SequenceLayout, flops: int) -> float:
@@ -322,7 +316,7 @@ def graph_layout(gm: fx.GraphModule) -> SequenceLayout:
             first = 8 if n.target == ring_ops[1] else 5  # cp, then the optional inner ring size
             cp = max(cp, n.args[first])
             inner = max(inner, n.args[first + 1] if len(n.args) > first + 1 else 0)
-        elif _head_all_to_all(n):
+        elif is_head_all_to_all(n):
             hp = max(hp, len(n.args[1]))
     return SequenceLayout(hp, cp, inner)
 
@@ -342,7 +336,7 @@ def simulate(gm: fx.GraphModule, hw: Hardware, layout: SequenceLayout | None = N
     for node in gm.graph.nodes:
         if node.target in COLLECTIVES:
             start = max(now, comm_free)
-            group = layout.hp_ranks() if _head_all_to_all(node) else [list(range(sp))]
+            group = layout.hp_ranks() if is_head_all_to_all(node) else [list(range(sp))]
             dur = comm_time(node, hw, _slowest(hw, group))
             comm_free = done[node] = start + dur
             tl.comm += dur

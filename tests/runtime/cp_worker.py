@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import longshield_fx as lf  # noqa: E402
 from longshield_fx._torch import resolve_process_group  # noqa: E402
 from longshield_fx.cli.inspect import collective_bytes  # noqa: E402
+from longshield_fx.passes._graph import is_head_all_to_all  # noqa: E402
 from longshield_fx.ops import ring_attention as ra  # noqa: E402
 from longshield_fx.runtime.noise import NoiseGenerator  # noqa: E402
 from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, DROPOUT_SEEDS,  # noqa: E402
@@ -61,14 +62,12 @@ def local_shards(model, attr: str) -> dict:
 def attention_collectives(gm) -> dict:
     """What the lowered graph's attention communicates over: the ranks of every head
     all-to-all's group, and (group ranks, cp, inner) of every ring attention op."""
-    c10d = torch.ops._c10d_functional
     ring_ops = (torch.ops.longshield.ring_attention.default, torch.ops.longshield.ring_attention_backward.default)
 
     def ranks(group_name):
         return tuple(dist.get_process_group_ranks(resolve_process_group(group_name))) if group_name else ()
 
-    all_to_all = [ranks(n.args[3]) for n in gm.graph.nodes  # even splits: not the fsdp shard exchange
-                  if n.target == c10d.all_to_all_single.default and len(set(n.args[1])) == 1]
+    all_to_all = [ranks(n.args[3]) for n in gm.graph.nodes if is_head_all_to_all(n)]
     ring = [(ranks(n.args[-3]), n.args[-2], n.args[-1]) for n in gm.graph.nodes if n.target in ring_ops]
     return {"all_to_all": all_to_all, "ring": ring}
 
@@ -110,7 +109,7 @@ def engine_case(case) -> dict:
     out["chunked_loss"] = any(n.target is torch.ops.longshield.lm_head_loss.default for n in lowered.gm.graph.nodes)
     out["attention_collectives"] = attention_collectives(lowered.gm)
     exchanges = [n for n in lowered.gm.graph.nodes  # scatter_clipped_sums' all-to-all of clipped-sum shards
-                 if n.target == torch.ops._c10d_functional.all_to_all_single.default and len(set(n.args[1])) > 1]
+                 if n.target == torch.ops._c10d_functional.all_to_all_single.default and not is_head_all_to_all(n)]
     out["shard_exchange_bytes"] = sum(collective_bytes(engine, n) for n in exchanges)
 
     if not case.light:
