@@ -205,10 +205,6 @@ def _check_args(job: Job) -> None:
         raise CLIError("--device cuda: no CUDA device is available")
     check_model_flags(args)
     check_data_args(args)
-    if getattr(args, "fsdp", None) and (args.eval_data or args.eval_fraction):  # audit has no --fsdp
-        raise CLIError("--fsdp with held-out evaluation (--eval-data/--eval-fraction) is not supported yet: "
-                       "evaluation runs on rank 0 alone, which does not hold the whole model; evaluate the "
-                       "written model afterwards, or train without --fsdp")
     job.run_dir = Path(args.out) if args.out else None
     if args.resume:
         job.resumed_run, job.ckpt_folder = resolve_resume(args.resume)

@@ -8,6 +8,7 @@ Hugging Face format for HF models), ``privacy.json``, the plot and ``summary.jso
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -34,8 +35,8 @@ def run_steps(job: Job) -> None:
         for logical in (job.batches if job.start_step < args.steps else []):
             step = job.batches.step
             row = _one_step(job, logical, step)
-            if job.eval_set is not None and job.rank0 and (step % args.eval_every == 0 or step == args.steps):
-                row[NOT_COVERED].update(evaluate(job.model, job.eval_set, args.physical_batch_size, job.device))
+            if job.eval_set is not None and (step % args.eval_every == 0 or step == args.steps):
+                row[NOT_COVERED].update(_evaluate_on_rank0(job))
             job.rows.append(row)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
@@ -92,6 +93,14 @@ def _one_step(job: Job, logical, step: int) -> dict:
                        tokens_per_s=round(job.tokens_seen / max(elapsed, 1e-9), 1))
     return {"step": step, "epsilon": engine.epsilon(job.delta), "delta": job.delta, "sigma": job.sigma,
             NOT_COVERED: private}
+
+
+def _evaluate_on_rank0(job: Job) -> dict:
+    """The held-out metrics, computed by rank 0 ({} elsewhere). With --fsdp every rank takes
+    part in gathering the whole model for the evaluation."""
+    whole = job.engine.sharding.whole_parameters(job.model) if job.fsdp else contextlib.nullcontext()
+    with whole:
+        return evaluate(job.model, job.eval_set, job.args.physical_batch_size, job.device) if job.rank0 else {}
 
 
 @torch.no_grad()

@@ -112,6 +112,16 @@ class Sharding:
                         new[id(p)] = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
                     module._parameters[name] = new[id(p)]
 
+    @contextlib.contextmanager
+    def whole_parameters(self, model: nn.Module):
+        """``model`` with every sharded parameter gathered whole for the duration (a
+        collective: every rank enters it), e.g. to evaluate it eagerly; the shards, which the
+        engine and the optimizer hold, are back on exit. Every rank holds the whole model
+        meanwhile, as ``unshard_model`` leaves it."""
+        whole = {name: p.full_tensor().detach() for name, p in model.named_parameters() if isinstance(p, DTensor)}
+        with swapped_tensors(model, whole):
+            yield model
+
     def _sharded(self, p: nn.Parameter, name: str) -> nn.Parameter:
         if isinstance(p, DTensor):
             if p.device_mesh != self.mesh or tuple(p.placements) != self.placements:

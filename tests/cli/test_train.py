@@ -370,12 +370,23 @@ def test_removing_one_long_document_moves_the_clipped_sum_by_at_most_c():
 
 @pytest.mark.slow
 def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
-    """--fsdp dp,cp on 4 ranks (dp=2 x cp=2, ZeRO-3) writes DCP checkpoints; with its last one
-    removed (a run killed after step 2), the run resumes on 2 ranks (cp=2, ZeRO-3 over both) and
-    its step 3 starts from the same model: the same loss as the uninterrupted run's step 3."""
+    """--fsdp dp,cp on 4 ranks (dp=2 x cp=2, ZeRO-3) on the user's documents, evaluating a
+    held-out split every step: the evaluation is the whole model's (the last one equals the
+    written model's), and DCP checkpoints are written; with the last one removed (a run killed
+    after step 2), the run resumes on 2 ranks (cp=2, ZeRO-3 over both) and its step 3 starts
+    from the same model: the same losses as the uninterrupted run's step 3."""
+    import longshield_fx as lf
+    from longshield_fx.cli.train_loop import evaluate
+    from longshield_fx.documents import load_documents
+    from longshield_fx.models import Llama
+
+    from finetune_fixtures import documents, write_folder
+
+    data = write_folder(tmp_path / "data", documents(40, seed=5))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     args = ["train", "--steps", 3, "-T", 64, "--save-every", 1, *FAST, "--insecure-seed", 3, "--accountant", "rdp",
-            "--sigma", 0.5, "--cp", 2, "--fsdp", "dp,cp", "--out", "run"]
+            "--sigma", 0.5, "--cp", 2, "--fsdp", "dp,cp", "--data", data, "--max-rows", 2, "--eval-fraction", 0.25,
+            "--eval-every", 1, "--out", "run"]
     four = run_cli(*args, cwd=tmp_path, launcher=torchrun + ["4", "-m", "longshield_fx"], timeout=600)
     assert four.returncode == 0, four.stderr[-3000:]
     assert "cp=2, dp=2" in four.stdout
@@ -385,6 +396,16 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
     final = load_state(tmp_path / "run" / "final_model.pt")  # gathered: whole tensors
     assert final["lm.tok_embeddings.weight"].shape == (256, 64)
     uninterrupted = metric_rows(tmp_path / "run")
+    evals = [r["not_covered_by_dp"]["eval_loss"] for r in uninterrupted]
+    assert len(evals) == 3 and len(set(evals)) == 3  # every step's own model
+    held_out = load_documents(data, lambda text: list(text.encode("utf-8")), 64, 2, 0).split(0.25, 0)[1]
+
+    def written_model_eval() -> float:
+        model = lf.CausalLMLoss(Llama.from_name("tiny"))
+        model.load_state_dict(load_state(tmp_path / "run" / "final_model.pt"))
+        return evaluate(model, held_out, 4, "cpu")["eval_loss"]
+
+    assert evals[-1] == pytest.approx(written_model_eval(), rel=1e-6)
     (checkpoints / "ckpt-00000003.pt").unlink()
     shutil.rmtree(checkpoints / "ckpt-00000003.dcp")
     two = run_cli(*args[:-2], "--resume", "run", cwd=tmp_path, launcher=torchrun + ["2", "-m", "longshield_fx"],
@@ -394,3 +415,5 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
     resumed = metric_rows(tmp_path / "run")
     assert [r["epsilon"] for r in resumed] == [r["epsilon"] for r in uninterrupted]
     assert train_losses(resumed)[2] == pytest.approx(train_losses(uninterrupted)[2], rel=1e-5)
+    # step 3's noise differs after re-sharding (no shard repeats a draw), so its model does too
+    assert resumed[2]["not_covered_by_dp"]["eval_loss"] == pytest.approx(written_model_eval(), rel=1e-6)

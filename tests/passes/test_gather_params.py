@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import longshield_fx as lf
 from longshield_fx._torch import c10d
@@ -250,6 +251,33 @@ def test_both_settings_give_identical_per_sample_grads_and_clipped_sums(hook_cal
         torch.testing.assert_close(runs["resharded"][1][key], p.grad, rtol=1e-5, atol=1e-7)
         assert bool(p.grad.abs().sum() > 0), key  # nothing compared vacuously
     assert hook_calls == []
+
+
+def test_whole_parameters_evaluate_the_model_and_give_the_shards_back():
+    """``Sharding.whole_parameters`` (the CLI's evaluation under --fsdp): inside, the model
+    holds plain whole tensors and its eager loss is the unsharded model's; on exit the very
+    DTensor shards are back, so the engine steps on without recapturing and the optimizer
+    still updates the model's parameters."""
+    batch = token_batch(vocab=MODEL["vocab_size"])
+    reference = tiny_llama(**MODEL)
+    with one_rank_world() as mesh:
+        model = tiny_llama(**MODEL)
+        engine = lf.compile(model, mesh, config=lf.DPConfig(max_grad_norm=1.0, noise_multiplier=0.0), fsdp=("cp",))
+        shards = dict(model.named_parameters())
+        engine.accumulate(*batch)
+        with engine.sharding.whole_parameters(model), torch.no_grad():
+            inside = dict(model.named_parameters(remove_duplicate=False))
+            assert not any(isinstance(p, DTensor) for p in inside.values())
+            assert all(torch.equal(inside[k], shards[k].full_tensor()) for k in shards)
+            torch.testing.assert_close(model(*batch), reference(*batch), rtol=0, atol=0)
+        assert all(p is shards[k] for k, p in model.named_parameters())
+        engine.finalize(logical(3))
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        opt.step()
+        engine.accumulate(*batch)
+        assert engine.captures == 1
+        moved = max(float((p.full_tensor() - q).detach().abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+        assert moved > 0
 
 
 # --- no hooks on the sharded path --------------------------------------------------------------
