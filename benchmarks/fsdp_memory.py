@@ -169,7 +169,7 @@ def main():
         acc = f"{s['accumulator'] / MiB:.0f} MiB" if "accumulator" in s else "-"
         print(f"| {name} | {LAYOUTS[name][0]} | {s['params'] / MiB:.0f} MiB | {acc} | {s['adamw'] / MiB:.0f} MiB | "
               f"{total / MiB:.0f} MiB | {total / one_process:.3f} | {peak / MiB:.0f} MiB | "
-              f"{(max(peaks[name]) - min(peaks[name])) / MiB:.0f} MiB | {peak / ref_peak:.2f} |")
+              f"{(max(peaks[name]) - min(peaks[name])) / MiB:.0f} MiB | {peak / ref_peak:.3f} |")
 
 
 if __name__ == "__main__":
