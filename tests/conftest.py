@@ -170,7 +170,7 @@ class Launches:
             log = open(out / "log.txt", "w+")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    str(WORKER), str(out)] if world != "zoo" else [sys.executable, str(ZOO), f"--json={out / 'zoo.json'}"]
-            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # an aborted rank prints its stack
             # Its own session: the launch (torchrun and its ranks) can be ended by its group id.
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             self.procs[world] = (proc, out, log)
