@@ -48,6 +48,17 @@ class LogicalBatch:
     sample_rate: float
     expected_size: float
 
+    def share(self, rank: int, replicas: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+        """Replica ``rank``'s physical batches when ``replicas`` data-parallel groups split this
+        logical batch: every ``replicas``-th one, padded with fully masked batches so that every
+        group runs the same number. Groups that share collectives inside each physical batch
+        (ZeRO-3 over dp gathers parameters there) would otherwise wait on each other forever
+        when the Poisson draw splits unevenly."""
+        per_group = -(-len(self.physical) // replicas)
+        blank = (self.physical[0][0], torch.zeros_like(self.physical[0][1]))
+        padded = self.physical + [blank] * (per_group * replicas - len(self.physical))
+        return padded[rank::replicas]
+
 
 class PoissonBatches:
     """Iterable of Poisson-sampled :class:`LogicalBatch` es with fixed physical shapes.

@@ -12,13 +12,24 @@ Accepted inputs:
 - a directory: every regular file under it, recursively, in order of relative path; hidden
   files and directories (names starting with '.') are left out, and so are symlinked
   directories and non-regular files (FIFOs, sockets). Each file is one document and one unit,
-  named by its path relative to the directory.
-- a ``.jsonl`` file: one JSON object per line with a string ``text`` and an optional ``id``
-  (a string or an integer; an integer and its decimal string are the same unit) naming the
-  unit. Documents sharing an id form ONE unit whose rows are each document's rows, in file
-  order; a line without ``id`` is its own unit, named ``line <k>`` (k counts from 1). Blank
-  lines are skipped; any other line that is not a JSON object with a string ``text`` (or whose
-  ``id`` is neither a string nor an integer, null included) is an error naming the line.
+  named by its path relative to the directory. One file reached twice (a symlink to a file,
+  or a hard link) is read once, under its first path, and counted (``same_file``): a second
+  copy would be a second unit holding the same person's text.
+- a ``.jsonl`` file: one JSON object per line with a string ``text`` and an optional unit key
+  (``unit_key``, default ``"id"``: a string or an integer; an integer and its decimal string
+  are the same unit) naming the unit. Documents sharing an id form ONE unit whose rows are each
+  document's rows, in file order. Ids are compared after Unicode NFC normalisation, with
+  surrounding whitespace stripped and case folded: "Alice", " alice" and "ALICE" are one
+  unit. Case is folded because merging two people into one unit only makes their guarantee
+  conservative (each is protected as part of the larger unit), while splitting one person into
+  k units silently costs them about k·ε. Either every line has the unit key or none does:
+  a line without it in a file where other lines have it is an error naming the line. When no
+  line has it, each line is its own unit, named ``line <k>`` (k counts from 1), unless a line
+  has an id-like key (``ID``, ``user_id``, ...: another casing of the unit key, or a name
+  ending in ``id``), which is refused: pass that key as ``unit_key``, or ``unit_key=None``
+  to make each line its own unit on purpose. Blank lines are skipped; any other line that is
+  not a JSON object with a string ``text`` (or whose id is neither a string nor an integer,
+  null included, or is empty, or that repeats a key) is an error naming the line.
 - a ``.txt`` file: one document per non-blank line (without its line ending), each its own
   unit named ``line <k>``.
 
@@ -42,6 +53,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import unicodedata
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -61,7 +74,7 @@ class Documents:
     padding slot (labels, not ids, say where the tokens are: ``pad_id`` may be a real token).
     The per-unit lists count, for unit i, its documents, its tokens before truncation and the
     tokens dropped by ``max_rows``. ``skipped`` counts the documents left out of the whole
-    load (``non_utf8``, ``empty``); an eval/train split keeps the load's counts.
+    load (``non_utf8``, ``empty``, ``same_file``); an eval/train split keeps the load's counts.
     """
 
     ids: torch.Tensor
@@ -74,6 +87,7 @@ class Documents:
     skipped: dict[str, int]
     source: str
     kind: str  # "directory", "jsonl" or "txt"
+    unit_key: str | None = None  # the .jsonl field that named the units; None: a unit per file or line
 
     @property
     def num_units(self) -> int:
@@ -146,7 +160,7 @@ class Documents:
                          self.seq_len, [self.documents_per_unit[i] for i in pick],
                          [self.tokens_total_per_unit[i] for i in pick],
                          [self.tokens_dropped_per_unit[i] for i in pick], dict(self.skipped), self.source,
-                         self.kind)
+                         self.kind, self.unit_key)
 
     def describe(self) -> str:
         what = "files" if self.kind == "directory" else "lines"
@@ -154,7 +168,7 @@ class Documents:
         return (f"{self.num_units} units ({self.num_documents} documents), {self.num_tokens} tokens in "
                 f"{self.num_rows} rows of {self.seq_len}, {self.rows_per_unit} rows per unit; {self.truncated_units} units "
                 f"truncated ({self.tokens_dropped} tokens dropped); {sum(s.values())} {what} skipped "
-                f"(non-UTF-8: {s['non_utf8']}, empty: {s['empty']})")
+                f"(non-UTF-8: {s['non_utf8']}, empty: {s['empty']}, one file reached twice: {s['same_file']})")
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -202,32 +216,82 @@ def _lines(text: str):
         yield k, line[:-1] if line.endswith("\r") else line
 
 
-def _jsonl_documents(path: Path):
+def _no_repeated_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise _RepeatedKey(repeated[0])
+    return dict(pairs)
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+_ID_LIKE = re.compile(r"(^|[_\-\s.])id$|^uid$|^(user|author|person|patient|customer|client|owner|member|account|"
+                      r"doc|document|record|subject)id$")
+
+
+def _id_like(key: str, unit_key: str) -> bool:
+    """A key that probably names a unit: another casing of ``unit_key``, ``user_id``, ``userId``, ``UID``..."""
+    return (key.casefold() == unit_key.casefold() or bool(_ID_LIKE.search(key.casefold()))
+            or bool(re.search(r"[a-z](Id|ID)$", key)))
+
+
+def normalized_unit_id(uid: str | int) -> str:
+    """The unit an id names: its decimal string for an integer; NFC, stripped, case-folded text."""
+    if isinstance(uid, int):
+        return str(uid)
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFC", uid).strip().casefold())
+
+
+def _jsonl_documents(path: Path, unit_key: str | None):
     """(unit key, unit name, text) per non-blank line of a .jsonl file."""
     text = _decode_or_fail(path, _read(path))
+    lines = []
     for k, line in _lines(text):
         if not line.strip():
             continue
         where = f"{path}:{k}"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
                            "JSON object") from None
+        except _RepeatedKey as e:
+            raise DataError(f"{where}: the key {json.dumps(str(e))} appears twice in one object; which value "
+                           "names the unit (or holds the text) would be a guess") from None
         if not isinstance(obj, dict):
             raise DataError(f"{where}: expected a JSON object with a string \"text\", got {type(obj).__name__}")
         body = obj.get("text")
         if not isinstance(body, str):
             got = "no \"text\" field" if "text" not in obj else f"\"text\" is {type(body).__name__}"
             raise DataError(f"{where}: {got}; each line needs a string \"text\" field")
-        if "id" in obj:
-            uid = obj["id"]
+        if unit_key is not None and unit_key in obj:
+            uid = obj[unit_key]
             if isinstance(uid, bool) or not isinstance(uid, (str, int)):
-                raise DataError(f"{where}: \"id\" must be a string or an integer naming the privacy unit, got "
-                               f"{json.dumps(uid)}; leave \"id\" out to make the line its own unit")
-            yield ("id", str(uid)), str(uid), body
-        else:
+                raise DataError(f"{where}: {json.dumps(unit_key)} must be a string or an integer naming the privacy "
+                               f"unit, got {json.dumps(uid)}")
+            if not normalized_unit_id(uid):
+                raise DataError(f"{where}: {json.dumps(unit_key)} is empty; it must name the privacy unit")
+        lines.append((k, where, obj, body))
+    keyed = [where for _, where, obj, _ in lines if unit_key is not None and unit_key in obj]
+    if keyed and len(keyed) < len(lines):
+        where = next(w for _, w, obj, _ in lines if unit_key not in obj)
+        raise DataError(f"{where}: no {json.dumps(unit_key)} field, while other lines have one ({keyed[0]}): "
+                       f"this line's document would become a unit of its own, apart from its person's other "
+                       f"documents; give it its {json.dumps(unit_key)}")
+    for k, where, obj, body in lines:
+        if not keyed:
+            like = [key for key in obj if unit_key is not None and key != "text" and _id_like(key, unit_key)]
+            if like:
+                raise DataError(f"{where}: no {json.dumps(unit_key)} field but an id-like {json.dumps(like[0])}: if it "
+                               f"names the privacy unit pass it as the unit key (--unit-key {like[0]}); to make "
+                               "each line its own unit, pass --unit-key none")
             yield ("line", k), f"line {k}", body
+            continue
+        name = normalized_unit_id(obj[unit_key])
+        yield ("id", name), name, body
 
 
 def _txt_documents(path: Path):
@@ -238,7 +302,16 @@ def _txt_documents(path: Path):
 
 
 def _dir_documents(root: Path, skipped: dict[str, int]):
+    seen = set()
     for rel, p in _walk(root):
+        try:
+            st = p.stat()  # follows a symlink: the file itself
+        except OSError as e:
+            raise DataError(f"cannot read {p}: {e.strerror or e}") from None
+        if (st.st_dev, st.st_ino) in seen:
+            skipped["same_file"] += 1
+            continue
+        seen.add((st.st_dev, st.st_ino))
         try:
             body = _decode(_read(p))
         except UnicodeDecodeError:
@@ -258,22 +331,23 @@ class _Unit:
 
 
 def load_documents(path, encode: Callable[[str], Sequence[int]], seq_len: int, max_rows: int,
-                   pad_id: int) -> Documents:
+                   pad_id: int, unit_key: str | None = "id") -> Documents:
     """Load ``path`` (a directory, a .jsonl or a .txt file: see the module docstring) as
     :class:`Documents` of shape (N, R, T = seq_len), R = min(max_rows, most rows of any unit).
-    ``encode(text) -> list[int]`` is the tokenizer. Raises :class:`DataError` on user errors."""
+    ``encode(text) -> list[int]`` is the tokenizer; ``unit_key``: the .jsonl field naming the
+    unit (None: each line its own unit). Raises :class:`DataError` on user errors."""
     if seq_len < 2:
         raise DataError(f"the sequence length must be >= 2 (a next-token loss needs two tokens), got {seq_len}")
     if max_rows < 1:
         raise DataError(f"the rows per unit must be >= 1, got {max_rows}")
     p = Path(path)
-    skipped = {"non_utf8": 0, "empty": 0}
+    skipped = {"non_utf8": 0, "empty": 0, "same_file": 0}
     if p.is_dir():
         kind, docs = "directory", _dir_documents(p, skipped)
     elif not p.exists():
         raise DataError(f"no such file or directory: {path}; expected {ACCEPTED}")
     elif p.is_file() and p.suffix.lower() == ".jsonl":
-        kind, docs = "jsonl", _jsonl_documents(p)
+        kind, docs = "jsonl", _jsonl_documents(p, unit_key)
     elif p.is_file() and p.suffix.lower() == ".txt":
         kind, docs = "txt", _txt_documents(p)
     else:
@@ -315,6 +389,7 @@ def load_documents(path, encode: Callable[[str], Sequence[int]], seq_len: int, m
             flat_ids[row * T: row * T + chunk.numel()] = chunk
             flat_labels[row * T: row * T + chunk.numel()] = chunk
         u.chunks = []  # free each unit's tokens as soon as they are in place
+    keyed = any(key[0] == "id" for key in units)
     return Documents(ids, labels, [u.name for u in order], T, [u.documents for u in order],
                      [u.tokens_total for u in order], [u.tokens_dropped for u in order], skipped,
-                     str(path), kind)
+                     str(path), kind, unit_key if keyed else None)

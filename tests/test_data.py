@@ -245,3 +245,22 @@ def test_load_state_dict_refuses_other_config():
 def test_validation(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         PoissonBatches(*args, **kwargs)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_every_data_parallel_group_gets_the_same_number_of_physical_batches(replicas):
+    """Uneven Poisson draws (0, 1, odd, several batches): each group runs as many physical batches
+    as every other (ZeRO-3 over dp shares collectives inside each), and every sampled row is in
+    exactly one group's batches, real, once."""
+    data = torch.arange(40).view(20, 2)
+    for q in (0.02, 0.05, 0.2, 0.6, 1.0):
+        sampler = PoissonBatches(data, sample_rate=q, physical_batch_size=2, insecure_seed=int(q * 100), steps=6)
+        for logical in sampler:
+            shares = [logical.share(rank, replicas) for rank in range(replicas)]
+            assert len({len(s) for s in shares}) == 1 and len(shares[0]) >= 1
+            real = []
+            for share in shares:
+                for (rows,), mask in share:
+                    real += (rows[mask.bool(), 0] // 2).tolist()  # row i of the data holds (2i, 2i + 1)
+            assert sorted(real) == logical.indices.tolist()
+            assert sum(float(m.sum()) for s in shares for _, m in s) == logical.size

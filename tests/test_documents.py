@@ -1,5 +1,6 @@
 """longshield_fx.cli.documents: private documents as (N, R, T) privacy units."""
 import json
+import os
 
 import pytest
 import torch
@@ -75,9 +76,9 @@ def test_directory_rows_labels_and_skips(tree):
     assert s == {"documents": 3, "units": 3, "rows": 5, "rows_per_unit": 3, "seq_len": T,
                  "tokens_kept": 29, "tokens_total": 29, "truncated_units": 0, "tokens_dropped": 0,
                  "padding_fraction": round(1 - 29 / (3 * 3 * T), 6),
-                 "skipped": {"non_utf8": 1, "empty": 2}, "source": str(tree)}
+                 "skipped": {"non_utf8": 1, "empty": 2, "same_file": 0}, "source": str(tree)}
     assert docs.describe() == ("3 units (3 documents), 29 tokens in 5 rows of 8, 3 rows per unit; 0 units truncated "
-                               "(0 tokens dropped); 3 files skipped (non-UTF-8: 1, empty: 2)")
+                               "(0 tokens dropped); 3 files skipped (non-UTF-8: 1, empty: 2, one file reached twice: 0)")
 
 
 def test_pad_id_is_not_the_token_mask(tmp_path):
@@ -119,26 +120,76 @@ def test_rows_per_unit_shrinks_to_longest_unit(tmp_path):
 def test_jsonl_shared_ids_form_one_unit(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", [
         {"id": "alice", "text": "alice one 12"},  # 12 bytes: 2 rows
-        {"text": "no id here"},  # line 2, own unit
+        {"id": "bob", "text": "bob's"},
         "",  # blank line: skipped, still counted in line numbers
         {"id": 7, "text": "seven"},
         {"id": "alice", "text": "alice 2"},  # joins alice's unit: 1 more row
         {"id": "7", "text": "7 again"},  # "7" and 7 are one unit
-        {"text": "x"},  # 1 token: skipped as empty
-        {"text": "no id again"},
+        {"id": "carol", "text": "x"},  # 1 token: skipped as empty
+        {"id": "dan", "text": "dan's text"},
     ])
     docs = load(f)
-    assert docs.units == ["alice", "line 2", "7", "line 8"]
+    assert docs.units == ["alice", "bob", "7", "dan"]
     assert docs.documents_per_unit == [2, 1, 2, 1]
     assert docs.ids.shape == (4, 3, T)
-    for i, texts in enumerate([["alice one 12", "alice 2"], ["no id here"], ["seven", "7 again"],
-                               ["no id again"]]):
+    for i, texts in enumerate([["alice one 12", "alice 2"], ["bob's"], ["seven", "7 again"], ["dan's text"]]):
         ids, labels = unit_rows(texts, 3)
         assert torch.equal(docs.ids[i], ids) and torch.equal(docs.labels[i], labels), docs.units[i]
     assert docs.ids[0, 2].tolist()[:7] == list(b"alice 2")  # second document starts a fresh row
     s = docs.stats()
-    assert s["documents"] == 6 and s["units"] == 4 and s["skipped"] == {"non_utf8": 0, "empty": 1}
+    assert s["documents"] == 6 and s["units"] == 4 and s["skipped"] == {"non_utf8": 0, "empty": 1, "same_file": 0}
     assert "1 lines skipped" in docs.describe()
+
+
+def test_jsonl_without_ids_makes_each_line_a_unit(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "first"}, {"text": "second", "lang": "en"}])
+    assert load(f).units == ["line 1", "line 2"]
+
+
+def test_jsonl_ids_are_normalised_so_one_person_is_one_unit(tmp_path):
+    """Case, surrounding whitespace and Unicode normalisation (NFC vs NFD) never split a person."""
+    nfc, nfd = "Jos\u00e9", "Jose\u0301"
+    f = write_jsonl(tmp_path / "d.jsonl", [{"id": i, "text": f"doc {k}"} for k, i in enumerate(
+        ["alice", "Alice", "alice ", " alice", "ALICE\t", nfc, nfd, "jos\u00c9", 12, " 12 "])])
+    docs = load(f)
+    assert docs.units == ["alice", "jos\u00e9", "12"]
+    assert docs.documents_per_unit == [5, 3, 2]
+
+
+@pytest.mark.parametrize("lines, phrase, line", [
+    ([{"id": "a", "text": "one"}, {"text": "no id"}], 'no "id" field, while other lines have one', 2),
+    ([{"text": "one", "ID": "alice"}, {"text": "two", "ID": "alice"}], 'id-like "ID"', 1),
+    ([{"text": "one", "user_id": 3}], 'id-like "user_id": if it names the privacy unit pass it', 1),
+    ([{"text": "one", "userId": 3}], 'id-like "userId"', 1),
+    (['{"id": "alice", "text": "one", "id": "bob"}'], 'the key "id" appears twice', 1),
+    ([{"id": "   ", "text": "one"}], '"id" is empty', 1),
+])
+def test_jsonl_unit_ids_that_could_split_a_person_are_refused(tmp_path, lines, phrase, line):
+    f = write_jsonl(tmp_path / "d.jsonl", lines)
+    with pytest.raises(DataError) as e:
+        load(f)
+    assert phrase in str(e.value) and f"{f}:{line}:" in str(e.value)
+
+
+def test_jsonl_unit_key_names_the_field_or_none_for_one_unit_per_line(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "one", "user_id": "A"}, {"text": "two", "user_id": "a"},
+                                           {"text": "three", "user_id": "b"}])
+    by_user = load_documents(f, enc, seq_len=T, max_rows=4, pad_id=PAD, unit_key="user_id")
+    assert by_user.units == ["a", "b"] and by_user.documents_per_unit == [2, 1]
+    by_line = load_documents(f, enc, seq_len=T, max_rows=4, pad_id=PAD, unit_key=None)
+    assert by_line.units == ["line 1", "line 2", "line 3"]
+
+
+def test_directory_reads_one_file_reached_twice_once(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.txt").write_text("alice's record")
+    (d / "b.txt").symlink_to(d / "a.txt")
+    os.link(d / "a.txt", d / "c.txt")
+    (d / "d.txt").write_text("bob's record")
+    docs = load(d)
+    assert docs.units == ["a.txt", "d.txt"]
+    assert docs.skipped["same_file"] == 2 and "one file reached twice: 2" in docs.describe()
 
 
 def test_jsonl_truncation_across_documents_of_one_unit(tmp_path):
@@ -178,7 +229,7 @@ def test_txt_one_document_per_line(tmp_path):
     for i, text in enumerate(["first line", "second"]):
         ids, labels = unit_rows([text], 2)
         assert torch.equal(docs.ids[i], ids) and torch.equal(docs.labels[i], labels)
-    assert docs.skipped == {"non_utf8": 0, "empty": 1}  # "z"
+    assert docs.skipped == {"non_utf8": 0, "empty": 1, "same_file": 0}  # "z"
 
 
 # --- errors --------------------------------------------------------------------------------------

@@ -260,3 +260,16 @@ def test_noise_divided_by_10_is_caught(sigma_for_8, monkeypatch, capsys):
         print(f"\nnoise / 10: {report.line()}")
     assert report.claimed_epsilon == pytest.approx(8.0, abs=0.05)
     assert report.bound.epsilon > report.claimed_epsilon
+
+
+def test_every_default_guess_set_fits_the_canaries_and_too_few_canaries_are_named():
+    from longshield_fx.audit.bound import default_guesses, fewest_canaries
+
+    rng = np.random.default_rng(0)
+    for m in range(1, 40):
+        assert all(a + b <= m for a, b in default_guesses(m)), m
+        audit_bound(rng.normal(size=m), rng.random(m) < 0.5, delta=1e-5)  # never raises
+    fewest = fewest_canaries(1e-5, 0.95)
+    for m in (fewest - 1, fewest):  # all guesses right: no bound below the fewest, a bound at it
+        included = np.arange(m) < (m + 1) // 2  # the highest scores in, the lowest out
+        assert (audit_bound(np.arange(m, 0, -1.0), included, delta=1e-5).epsilon > 0) == (m == fewest), m

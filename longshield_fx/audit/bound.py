@@ -90,7 +90,21 @@ def default_guesses(m: int) -> list[tuple[int, int]]:
     for frac in (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45):
         k = max(1, int(frac * m))
         out += [(k, 0), (k, k)]
-    return sorted(set(out))
+    return sorted({(a, b) for a, b in out if a + b <= m})
+
+
+def fewest_canaries(delta: float, confidence: float = 0.95) -> int:
+    """The smallest m with which ``audit_bound`` can refute any ε > 0 at all: with fewer, even
+    every guess right (of every default guess set, Bonferroni-corrected) is not significant."""
+    def can_refute(m):
+        candidates = default_guesses(m)
+        corrected = 1.0 - (1.0 - confidence) / len(candidates)
+        return any(p_value(m, a + b, a + b, 0.0, delta) < 1.0 - corrected for a, b in candidates)
+
+    m = 1
+    while not can_refute(m):
+        m += 1
+    return m
 
 
 @dataclass(frozen=True)

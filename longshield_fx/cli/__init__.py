@@ -7,12 +7,13 @@ this machine's Python standard library sources, read as bytes (a byte-level voca
 
 Privacy, as the CLI applies it: the unit is the document (one stdlib file = one row: its
 first T bytes, padding labelled -100; truncation is reported), so the printed ε is per
-document (add/remove one document), at δ = min(1e-5, N^-1.1) by default, PLD accountant.
+document (add/remove one document), at δ = the largest power of ten
+<= min(1e-5, N^-1.1) by default, PLD accountant.
 ``--seed`` seeds the model initialisation (and dropout) only; the noise and the Poisson
 sampling come from secret ChaCha20 streams keyed by the OS (``--insecure-seed`` is a test-only
 escape hatch that voids the guarantee). Losses, timings, batch sizes and counts are not covered by ε
 and are written only under ``not_covered_by_dp``. Checkpoints (``checkpoints/ckpt-*.pt``) are
-SECRET: they hold the noise key and the sampling key.
+SECRET: they hold the sampling key (which documents each step sampled).
 
 ``longshield-fx audit`` runs that job once with canaries: the claimed ε beside an empirical lower bound.
 
@@ -68,7 +69,9 @@ def main(argv=None) -> int:
 
 
 def _run(argv) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # which flags were given (``train --resume DIR`` takes the others from the run)
     prefix = f"{PROG} {args.command}"
     try:
         return args.func(args)

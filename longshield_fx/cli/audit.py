@@ -82,6 +82,7 @@ def audit(args) -> int:
     job = Job(args, time.time())
     _check_args(job)
     _load_corpus(job)
+    _check_canaries(args, job.delta)
     base, job.model_desc, job.model_name = build_model(args)
     job.device = torch.device(args.device)
     base.to(job.device)
@@ -96,6 +97,16 @@ def audit(args) -> int:
         f"the gradient divisor is the public E[B] = {job.batches.expected_batch_size:g} (counting m/2 canaries)")
     run_steps(job)
     return _report(job, canaries, scoring.finish())
+
+
+def _check_canaries(args, delta: float) -> None:
+    """Before any training: with too few canaries no outcome of the run could give a bound."""
+    from ..audit.bound import fewest_canaries
+
+    fewest = fewest_canaries(delta, args.confidence)
+    if args.canaries < fewest:
+        raise CLIError(f"--canaries {args.canaries}: even all-correct guesses on so few canaries cannot refute any "
+                       f"ε at --confidence {args.confidence:g}; use at least {fewest} (hundreds for a useful bound)")
 
 
 class _Scoring:

@@ -1,7 +1,8 @@
 """Checkpoints of ``longshield-fx train``: atomic writes, finding the newest complete one,
 and refusing one written by a different run.
 
-Checkpoints are SECRET: they hold the engine's noise key and the sampler's sampling key.
+Checkpoints are SECRET: they hold the sampler's sampling key (which units each step sampled).
+The engine's noise key is never saved: a resumed engine draws a fresh one.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from .common import CLIError, say
 
-CHECKPOINT_FORMAT = 2  # 2: secret noise and sampling streams, one row per document
+CHECKPOINT_FORMAT = 2  # 2: the secret sampling stream (no noise key), one row per document
 _CKPT_RE = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 

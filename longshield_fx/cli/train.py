@@ -5,9 +5,11 @@ The run is a sequence of named steps over one ``Job`` (see ``train``); the loop 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,7 @@ from .checkpoints import (CHECKPOINT_FORMAT, atomic_save, checkpoint_dir, jsonab
                           resolve_resume, signature_diff)
 from .common import (CLIError, Formatter, add_model_args, check_model_flags, check_seq_len, nonneg_float, nonneg_int,
                      positive_float, positive_int, rank, say, setup_distributed)
-from .corpus import PRIVACY_UNIT, default_delta, stdlib_corpus
+from .corpus import DELTA_RULE, PRIVACY_UNIT, default_delta, stdlib_corpus
 from .train_data import add_data_args, build_model_for, check_data_args, data_signature, load_documents_for
 
 DESCRIPTION = (
@@ -28,7 +30,8 @@ DESCRIPTION = (
     "The privacy unit is the DOCUMENT: one stdlib file is one row (its first T bytes; the rest of a\n"
     "longer file is not used, and the truncation is reported), sampled and clipped as one sample, so ε\n"
     "is per document (add/remove one document). σ is calibrated before training so that ε after\n"
-    "--steps steps is <= --target-epsilon at δ = min(1e-5, N^-1.1) (N = number of documents), unless\n"
+    "--steps steps is <= --target-epsilon at δ = the largest power of ten <= min(1e-5, N^-1.1) (N =\n"
+    "number of documents), unless\n"
     "--sigma is given. The DP noise and the sampling come from secret ChaCha20 streams keyed by the OS;\n"
     "--seed seeds the model initialisation only.\n\n"
     "Writes to --out: metrics.jsonl (one JSON line per step), loss_vs_epsilon.png, summary.json,\n"
@@ -36,8 +39,8 @@ DESCRIPTION = (
     "Training losses, timings and counts (non-finite samples; batch sizes and tokens only with\n"
     "--log-private-stats) come from the private data without noise: they are NOT covered by ε and\n"
     "are written only under the key 'not_covered_by_dp'. Checkpoints are SECRET: they hold the\n"
-    "noise key and the sampling key (anyone holding them can subtract the noise); keep them like the\n"
-    "data.\n\n"
+    "sampling key (which documents each step sampled); keep them like the data. The noise key is\n"
+    "never saved: a resumed run draws fresh noise.\n\n"
     "Your own model and documents: --model DIR (a local Hugging Face model directory, weights and\n"
     "tokenizer loaded) and --data PATH (a folder of text files, a .jsonl file with 'text' and an\n"
     "optional privacy-unit 'id', or a .txt file with one document per line); a document longer than T\n"
@@ -62,20 +65,37 @@ def add_parser(sub) -> None:
     _run_args(t)
 
 
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _privacy_args(p) -> None:
     p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (Poisson logical batches)")
-    p.add_argument("--expected-batch-size", type=positive_float, default=8.0, metavar="E",
-                   help="expected logical batch size; the sampling rate is q = E/N")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--expected-batch-size", type=positive_float, default=8.0, metavar="E",
+                      help="expected logical batch size; the sampling rate is q = E/N. N, the number of units, is "
+                      "private, and q (published with ε) and E together give it exactly: pass --sample-rate to "
+                      "publish q as your own choice instead")
+    rate.add_argument("--sample-rate", type=_rate, default=None, metavar="Q",
+                      help="Poisson sampling rate q in (0, 1], chosen by you and published with ε; the expected "
+                      "batch size qN is then private (default: q = E/N from --expected-batch-size)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--target-epsilon", type=positive_float, default=8.0, metavar="EPS",
                    help="ε budget for the whole run: σ is calibrated to it before training")
     g.add_argument("--sigma", type=nonneg_float, default=None,
                    help="noise multiplier σ, instead of calibrating one from --target-epsilon (default: calibrated)")
     p.add_argument("--delta", type=positive_float, default=None,
-                   help="δ of the (ε, δ) guarantee, per document (default: min(1e-5, N^-1.1), N = number of "
-                   "documents: well below 1/N, as Ponomareva et al. 2023 'How to DP-fy ML' recommend, so that "
-                   "a mechanism leaking one whole document with probability δ leaks far less than one "
-                   "document in expectation)")
+                   help="δ of the (ε, δ) guarantee, per document (default: the largest power of ten <= "
+                   "min(1e-5, N^-1.1), N = number of documents: well below 1/N, as Ponomareva et al. 2023 'How to "
+                   "DP-fy ML' recommend, so that a mechanism leaking one whole document with probability δ leaks "
+                   "far less than one document in expectation; a power of ten, so that δ tells N's order of "
+                   "magnitude at most)")
     p.add_argument("--accountant", choices=["pld", "rdp"], default="pld",
                    help="privacy accountant (dp-accounting): pld is the tightest, rdp is looser")
     p.add_argument("--insecure-seed", type=int, default=None, metavar="N",
@@ -108,7 +128,7 @@ def _optimizer_corpus_device_args(p) -> None:
 def _output_args(p) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default: runs/train, or the --resume directory). Its checkpoints/ are "
-                   "SECRET: they hold the noise key and the sampling key")
+                   "SECRET: they hold the sampling key")
     p.add_argument("--save-every", type=nonneg_int, default=25, metavar="K",
                    help="write a checkpoint every K steps and at the end (0: never)")
     p.add_argument("--keep-checkpoints", type=positive_int, default=2, metavar="N",
@@ -119,10 +139,12 @@ def _output_args(p) -> None:
                    "dim of size 1 is left out. Checkpoints become DCP folders that resume on any world size "
                    "(default: none, every rank holds everything)")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue exactly from the newest complete checkpoint of the run in DIR (its --out, "
-                   "or its checkpoints/ folder); refused if the model, DP config, T or batch sizes differ. The "
-                   "checkpoint is SECRET (noise and sampling keys): the resumed run continues the same streams "
-                   "(default: none, a fresh run)")
+                   help="continue the run in DIR (its --out, or its checkpoints/ folder) from its newest complete "
+                   "checkpoint, with that run's own flags: a flag given here that differs from the run's is "
+                   "refused by name. The checkpoint is SECRET (the sampling key): the resumed run samples as the "
+                   "uninterrupted one would, with fresh noise. Without --resume, the same command run again in "
+                   "the same --out continues its run the same way (so torchrun --max-restarts restarts it), and "
+                   "an --out holding another run is refused (default: none)")
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -156,6 +178,9 @@ class Job:
     opt: torch.optim.Optimizer = None
     batches: object = None
     resumed_from: Path | None = None     # the checkpoint file resumed from
+    explicit_resume: bool = False        # --resume DIR (else: continuing the --out's own checkpoints)
+    checkpoint: tuple | None = None      # (state, path) of the newest checkpoint, once read
+    restart_if_same: list | None = None  # outputs found in --out with no checkpoint
     start_step: int = 0
     tokens_seen: int = 0
     elapsed_before: float = 0.0
@@ -179,6 +204,7 @@ def train(args) -> int:
 
     job = Job(args, time.time())
     _check_args(job)
+    _claim_run_dir(job)
     job.mesh, job.dp, job.dp_rank = setup_distributed(args.cp, args.device, "train")
     job.fsdp = _fsdp_dims(args.fsdp, job.mesh)
     _load_corpus(job)
@@ -191,8 +217,77 @@ def train(args) -> int:
         _restore(job, state)
     _open_run_dir(job)
     _announce(job)
-    run_steps(job)
+    try:
+        run_steps(job)
+    except KeyboardInterrupt:
+        newest = list_checkpoints(checkpoint_dir(job.run_dir))
+        say(f"interrupted after step {job.batches.step - 1}; "
+            + (f"the newest checkpoint is {newest[0][1].name}: continue with the same command, or "
+               f"longshield-fx train --resume {job.run_dir}" if newest else
+               "no checkpoint was written yet (--save-every): the same command starts the run over"),
+            file=sys.stderr)
+        raise
     return finish(job)
+
+
+# Flags that may change between the sessions of one run: where and how often it writes, what it logs.
+_PER_SESSION = {"out", "resume", "save_every", "keep_checkpoints", "eval_every", "log_private_stats", "device"}
+_OUTPUTS = ("metrics.jsonl", "summary.json", "privacy.json", "final_model.pt", "signature.json")
+
+
+def _claim_run_dir(job: Job) -> None:
+    """The run dir belongs to one run. With --resume, take the run's own flags from its newest
+    checkpoint (a differing flag given here is refused by name). Without, a run dir that already
+    holds checkpoints is continued when they are this command's run (checked by signature in
+    ``_decide_sigma``); one that holds outputs but no checkpoint is refused unless its signature
+    is this command's (a run stopped before its first checkpoint starts over)."""
+    args = job.args
+    if args.resume:
+        job.checkpoint = load_latest(job.ckpt_folder)
+        _take_saved_flags(args, job.checkpoint[0].get("args") or {})
+        job.explicit_resume = True
+        return
+    if list_checkpoints(checkpoint_dir(job.run_dir)):
+        job.resumed_run, job.ckpt_folder = job.run_dir, checkpoint_dir(job.run_dir)
+        return
+    held = [name for name in _OUTPUTS if (job.run_dir / name).exists()]
+    if held:
+        job.restart_if_same = held
+
+
+def _take_saved_flags(args, saved: dict) -> None:
+    given = _given_flags(args)
+    differing = [f"--{dest.replace('_', '-')} {getattr(args, dest)!r} (the run has {value!r})"
+                 for dest, value in saved.items()
+                 if dest in given and dest not in _PER_SESSION and jsonable(getattr(args, dest)) != value]
+    if differing:
+        raise CLIError(f"--resume {args.resume}: " + "; ".join(differing)
+                       + (": this flag differs" if len(differing) == 1 else ": these flags differ")
+                       + " from the run being resumed: drop them to continue it with its own flags, or start a new "
+                       "run with a new --out")
+    for dest, value in saved.items():
+        if dest not in given and dest not in _PER_SESSION and hasattr(args, dest):
+            setattr(args, dest, value)
+
+
+def _given_flags(args) -> set[str]:
+    """The dests of the flags on the command line (``args.argv``), not left at their defaults."""
+    from . import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[args.command]
+    given = set()
+    for action in sub._actions:
+        for token in getattr(args, "argv", []):
+            if any(token == o or token.startswith(o + "=") for o in action.option_strings):
+                given.add(action.dest)
+    return given
+
+
+def saved_flags(args) -> dict:
+    """The run's flags, as a checkpoint keeps them for ``--resume DIR``."""
+    skip = {"func", "command", "argv"} | _PER_SESSION
+    return {k: v for k, v in jsonable({k: v for k, v in vars(args).items() if k not in skip}).items()}
 
 
 def _check_args(job: Job) -> None:
@@ -238,11 +333,21 @@ def _load_corpus(job: Job) -> None:
     else:
         job.corpus = stdlib_corpus(args.seq_len, args.max_files or None)
     N = job.corpus.num_units
-    if args.expected_batch_size > N:
+    if args.sample_rate is not None:
+        job.q = args.sample_rate
+    elif args.expected_batch_size > N:
         raise CLIError(f"--expected-batch-size {args.expected_batch_size:g} exceeds the number of privacy units "
                        f"N = {N}; lower it" + ("" if args.data else " or raise --max-files"))
-    job.q = args.expected_batch_size / N
+    else:
+        job.q = args.expected_batch_size / N
     job.delta = args.delta if args.delta is not None else default_delta(N)
+
+
+def sampling_choice(args) -> dict:
+    """The user's sampling flag: q itself when chosen (public), else E (q = E/N is derived)."""
+    if args.sample_rate is not None:
+        return {"sample_rate": args.sample_rate}
+    return {"expected_batch_size": args.expected_batch_size}
 
 
 def make_signature(job: Job, sigma: float) -> dict:
@@ -251,11 +356,10 @@ def make_signature(job: Job, sigma: float) -> dict:
     return jsonable({
         "model": job.model_desc, "init_seed": args.seed,
         "dp": {"max_grad_norm": args.max_grad_norm, "noise_multiplier": sigma, "clipping": args.clipping,
-               "sample_rate": job.q, "delta": job.delta, "accountant": args.accountant,
+               **sampling_choice(args), "delta": job.delta, "accountant": args.accountant,
                "insecure_seed": args.insecure_seed,
                "target_epsilon": None if args.sigma is not None else args.target_epsilon},
-        "seq_len": args.seq_len, "physical_batch_size": args.physical_batch_size,
-        "expected_batch_size": args.expected_batch_size, "steps": args.steps,
+        "seq_len": args.seq_len, "physical_batch_size": args.physical_batch_size, "steps": args.steps,
         "corpus": data_signature(job),
         "optimizer": {"name": "AdamW", "lr": args.lr, "weight_decay": args.weight_decay},
     })
@@ -268,20 +372,41 @@ def _decide_sigma(job: Job) -> dict | None:
 
     args, state = job.args, None
     if job.ckpt_folder is not None:
-        state, job.resumed_from = load_latest(job.ckpt_folder)
+        state, job.resumed_from = job.checkpoint or load_latest(job.ckpt_folder)
         saved = state["signature"]
         sigma = args.sigma if args.sigma is not None else saved.get("dp", {}).get("noise_multiplier")
         diffs = signature_diff(saved, make_signature(job, sigma))
+        if diffs and not job.explicit_resume:
+            raise CLIError(f"--out {job.run_dir} holds another run's checkpoints ({_listed(diffs)}); nothing was "
+                           f"changed: pass a new --out, or --resume {job.run_dir} to continue that run with its flags")
         if diffs:
             raise CLIError(f"refusing to resume from {job.resumed_from}: it was written by a different run ("
-                           + "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "") + ")")
+                           + _listed(diffs) + ")")
         # Same calibration inputs (target ε, δ, q, steps, accountant): the checkpoint's σ is the calibrated one.
     elif args.sigma is not None:
         sigma = args.sigma
     else:
         sigma = lf.calibrate_noise(args.target_epsilon, job.delta, job.q, args.steps, method=args.accountant)
     job.sigma, job.signature = sigma, make_signature(job, sigma)
+    if job.restart_if_same:
+        before = _read_signature(job.run_dir)
+        if before != job.signature:
+            raise CLIError(f"--out {job.run_dir} already holds {'another run' if before else 'a run'}'s outputs "
+                           f"({', '.join(job.restart_if_same)}) and no checkpoint to continue from; nothing was "
+                           "changed: pass a new --out")
+        say(f"{job.run_dir} holds this run, stopped before its first checkpoint: starting it over")
     return state
+
+
+def _listed(diffs: list[str]) -> str:
+    return "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+
+
+def _read_signature(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "signature.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _compile(job: Job, dataset=None) -> None:
@@ -321,7 +446,8 @@ def _lower_or_refuse(job: Job, dataset) -> None:
 
 
 def _restore(job: Job, state: dict) -> None:
-    """Model, optimizer, the secret sampling and noise streams, the accountant and the RNG."""
+    """Model, optimizer, the secret sampling stream, the accountant and the RNG (the noise is
+    never restored: the engine draws a fresh key)."""
     import longshield_fx as lf
 
     if bool(state.get("dcp")) != bool(job.fsdp):
@@ -334,7 +460,7 @@ def _restore(job: Job, state: dict) -> None:
         job.model.load_state_dict(state["model"])
         job.opt.load_state_dict(state["optimizer"])
         job.batches.load_state_dict(state["sampler"])  # continues the same secret sampling stream
-        job.engine.load_state_dict(state["engine"])  # accountant and the same secret noise stream
+        job.engine.load_state_dict(state["engine"])  # the accountant; the noise key is fresh
     torch.set_rng_state(state["torch_rng"])
     if state.get("cuda_rng") is not None and job.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"])
@@ -391,7 +517,7 @@ def _announce(job: Job) -> None:
         f"{args.physical_batch_size}")
     how = "given" if args.sigma is not None else f"calibrated for ε = {args.target_epsilon:g} over {args.steps} steps"
     if args.delta is None:
-        why = f"min(1e-5, N^-1.1) for N = {N} {'units' if args.data else 'documents'}, well below 1/N = {1 / N:.3g}"
+        why = f"{DELTA_RULE} for N = {N} {'units' if args.data else 'documents'}, well below 1/N = {1 / N:.3g}"
     else:
         why = "given" + ("" if job.delta < 1 / N else f"; NOT below 1/N = {1 / N:.3g}: a mechanism that releases "
                          "one whole document with probability δ would satisfy this guarantee")
@@ -426,8 +552,9 @@ def save_checkpoint(job: Job, step: int) -> None:
                 "sampler": job.batches.state_dict(), "engine": job.engine.state_dict()}
     if not job.rank0:
         return
-    state = {  # SECRET: the sampler's and the engine's states hold the sampling and noise keys
+    state = {  # SECRET: the sampler's state holds the sampling key
         "format": CHECKPOINT_FORMAT, "complete": True, "step": step, "signature": job.signature,
+        "args": saved_flags(job.args),
         **held, "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if job.device.type == "cuda" else None,
         "tokens": job.tokens_seen, "elapsed_s": job.elapsed_before + (time.time() - job.t_loop),

@@ -3,8 +3,10 @@ and the model (a reference Llama, --hf-config, or a pretrained --model DIR, with
 The embedded corpus stays in ``corpus.py``."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
+from .corpus import NOT_COVERED
 from .common import CLIError, build_model, positive_float, positive_int, pretrained
 from .hf import require_peft
 
@@ -16,6 +18,11 @@ def add_data_args(p) -> None:
                    "privacy unit, e.g. a patient: documents sharing an id are sampled and clipped together) or a "
                    ".txt file (one document per line); tokenized with the model's tokenizer (bytes for --model NAME "
                    "and --hf-config) (default: none, the embedded stdlib corpus)")
+    p.add_argument("--unit-key", type=_unit_key, default="id", metavar="KEY",
+                   help="the .jsonl field naming the privacy unit (a person, a patient): lines sharing its value "
+                   "are one unit; every line must have it, or none (then each line is its own unit); 'none': each "
+                   "line its own unit whatever its fields. Values are compared after Unicode NFC, stripping and "
+                   "case folding")
     p.add_argument("--max-rows", type=positive_int, default=8, metavar="R",
                    help="rows of T tokens per privacy unit: a longer unit is cut after R rows (reported); every "
                    "unit is padded to the longest unit's rows, at most R")
@@ -37,6 +44,10 @@ def add_data_args(p) -> None:
     p.add_argument("--lora-save", choices=["merged", "adapter"], default="merged",
                    help="how --out/model/ holds a LoRA model: merged into the base weights (loads without peft) or "
                    "as a peft adapter")
+
+
+def _unit_key(text: str) -> str | None:
+    return None if text.strip().lower() == "none" else text
 
 
 def check_data_args(args) -> None:
@@ -67,11 +78,12 @@ def load_documents_for(job):
         encode, pad = (lambda text: list(text.encode("utf-8"))), 0  # byte-level, as the embedded corpus
 
     def load(path):
-        return load_documents(path, encode, args.seq_len, args.max_rows, pad)
+        return load_documents(path, encode, args.seq_len, args.max_rows, pad, args.unit_key)
 
     docs = load(args.data)
-    if docs.kind == "jsonl":
-        job.unit = "per unit: every document sharing one 'id' (a line without id is its own unit; add/remove one unit)"
+    if docs.unit_key is not None:
+        job.unit = (f"per unit: every document sharing one {docs.unit_key!r} (normalised: NFC, stripped, "
+                    "case-folded; add/remove one unit)")
     if args.eval_fraction:
         return docs.split(args.eval_fraction, args.seed)
     return docs, load(args.eval_data) if args.eval_data else None
@@ -93,9 +105,13 @@ def build_model_for(job) -> None:
 
 
 def data_signature(job) -> dict:
+    """The data a checkpoint must have been trained on: the flags in the clear, the data path as a
+    hash, and the counts read from the data under ``not_covered_by_dp``."""
     args = job.args
     if not args.data:
-        return {"unit": "document", "num_documents": job.corpus.num_units, "max_files": args.max_files}
-    return {"unit": job.unit, "data": str(Path(args.data).resolve()), "units": job.corpus.num_units,
-            "rows_per_unit": job.corpus.rows_per_unit, "max_rows": args.max_rows,
-            "eval_fraction": args.eval_fraction, "split_seed": args.seed if args.eval_fraction else None}
+        return {"unit": "document", "max_files": args.max_files,
+                NOT_COVERED: {"documents": job.corpus.num_units}}
+    return {"unit": job.unit, "data_path_sha256": hashlib.sha256(str(Path(args.data).resolve()).encode()).hexdigest(),
+            "max_rows": args.max_rows, "unit_key": args.unit_key, "eval_fraction": args.eval_fraction,
+            "split_seed": args.seed if args.eval_fraction else None,
+            NOT_COVERED: {"units": job.corpus.num_units, "rows_per_unit": job.corpus.rows_per_unit}}

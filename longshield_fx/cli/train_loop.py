@@ -17,9 +17,9 @@ import time
 import torch
 
 from .checkpoints import atomic_save, checkpoint_dir
-from .corpus import NOT_COVERED, PRIVACY_UNIT
+from .corpus import DELTA_RULE, NOT_COVERED, PRIVACY_UNIT
 from .common import say
-from .train import Job, save_checkpoint
+from .train import Job, sampling_choice, save_checkpoint
 
 
 def run_steps(job: Job) -> None:
@@ -34,7 +34,10 @@ def run_steps(job: Job) -> None:
     with open(job.metrics_path, "a") if job.rank0 else open(os.devnull, "w") as metrics:
         for logical in (job.batches if job.start_step < args.steps else []):
             step = job.batches.step
-            row = _one_step(job, logical, step)
+            try:
+                row = _one_step(job, logical, step)
+            except RuntimeError as e:  # a collective that timed out (init_process_group's timeout), or any other
+                raise RuntimeError(f"step {step}: {e}") from e
             if job.eval_set is not None and (step % args.eval_every == 0 or step == args.steps):
                 row[NOT_COVERED].update(_evaluate_on_rank0(job))
             job.rows.append(row)
@@ -55,11 +58,7 @@ def _one_step(job: Job, logical, step: int) -> dict:
     import torch.distributed as dist
 
     engine, dp = job.engine, job.dp
-    physical = logical.physical
-    if dp > 1:  # each dp group takes every dp-th physical batch; an idle group runs a masked one
-        mine = physical[job.dp_rank::dp] or [(physical[0][0], torch.zeros_like(physical[0][1]))]
-    else:
-        mine = physical
+    mine = logical.share(job.dp_rank, dp)  # the same number of physical batches in every dp group
     nonfinite_before = engine.nonfinite_samples
     # loss sum, predicted tokens, real tokens of this rank's real rows, non-finite samples (NOT covered by DP)
     stats = torch.zeros(4, dtype=torch.float64)
@@ -120,9 +119,10 @@ def evaluate(model, docs, batch_size: int, device) -> dict:
     return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 700.0)), "eval_tokens": tokens}
 
 
-def plot_title(model_name: str, T: int, expected: float, sigma: float, unit: str = PRIVACY_UNIT) -> str:
-    return (f"{model_name}, T={T}, E[B]={expected:g}, σ={sigma:.3g}\nε {unit}\n"
-            "losses: NOT covered by DP (no noise)")
+def plot_title(model_name: str, T: int, sampling: dict, sigma: float, unit: str = PRIVACY_UNIT) -> str:
+    """``sampling``: the user's own flag (``train.sampling_choice``), never the value derived from N."""
+    chosen = f"q={sampling['sample_rate']:g}" if "sample_rate" in sampling else f"E[B]={sampling['expected_batch_size']:g}"
+    return f"{model_name}, T={T}, {chosen}, σ={sigma:.3g}\nε {unit}\nlosses: NOT covered by DP (no noise)"
 
 
 def _fmt_time(s: float) -> str:
@@ -152,8 +152,9 @@ def summary(job: Job, eps: float, loop: float, wall: float, startup: float) -> d
     c = job.corpus.stats()
     private.update({
         "wall_s": round(wall, 2), "s_per_step": round(loop / done, 4),  # timings trace the batch sizes
-        "corpus": c if args.data else {key: c[key] for key in ("truncated_documents", "bytes_used", "bytes_total",
-                                                               "bytes_used_fraction", "skipped_files_under_2_bytes")},
+        "startup_s": round(startup, 2),  # loading the corpus takes time in proportion to it
+        "corpus": {**c, "data": args.data} if args.data else {"documents": job.corpus.num_units, **c},
+        "expected_batch_size": job.batches.expected_batch_size,  # q·N
     })
     if job.eval_set is not None:
         private["eval"] = {**job.eval_set.stats(), **{k: v for k, v in _private(job.rows[-1]).items()
@@ -164,16 +165,22 @@ def summary(job: Job, eps: float, loop: float, wall: float, startup: float) -> d
     return {
         "steps": args.steps, "resumed_from": job.start_step or None,
         "privacy_unit": job.unit.removeprefix("per "), "epsilon": eps, "delta": job.delta,
-        "delta_rule": "min(1e-5, N^-1.1)" if args.delta is None else "given", "accountant": args.accountant,
+        "delta_rule": DELTA_RULE if args.delta is None else "given", "accountant": args.accountant,
         "target_epsilon": None if args.sigma is not None else args.target_epsilon, "sigma": job.sigma,
-        "sample_rate": job.q, "expected_batch_size": job.batches.expected_batch_size,
+        "sample_rate": job.q, "sample_rate_source": sample_rate_source(args), **sampling_choice(args),
         "max_grad_norm": args.max_grad_norm, "insecure_seed": args.insecure_seed,
-        "privacy_void": args.insecure_seed is not None, "init_seed": args.seed,
-        "corpus": {"documents": job.corpus.num_units, "seq_len": args.seq_len, "max_files": args.max_files}
-        if not args.data else {"units": job.corpus.num_units, "seq_len": args.seq_len, "data": args.data},
-        "startup_s": round(startup, 2), "parameters": sum(p.numel() for p in job.model.parameters()),
+        "privacy_void": args.insecure_seed is not None, "init_seed": args.seed, "seq_len": args.seq_len,
+        "max_files": None if args.data else args.max_files,
+        "parameters": sum(p.numel() for p in job.model.parameters()),
         NOT_COVERED: private,
     }
+
+
+def sample_rate_source(args) -> str:
+    if args.sample_rate is not None:
+        return "chosen (--sample-rate): public"
+    return ("derived: --expected-batch-size E over the number of units N, which is private and not written here "
+            "(q and E together give N; --sample-rate publishes q as a choice instead)")
 
 
 def privacy_record(job: Job, eps: float) -> dict:
@@ -184,11 +191,12 @@ def privacy_record(job: Job, eps: float) -> dict:
     trained = sum(p.numel() for p in job.model.parameters() if p.requires_grad)
     return {
         "epsilon": eps, "delta": job.delta, "accountant": f"{args.accountant.upper()} (dp-accounting)",
-        "privacy_unit": job.unit.removeprefix("per "), "units": job.corpus.num_units,
+        "delta_rule": DELTA_RULE if args.delta is None else "given",
+        "privacy_unit": job.unit.removeprefix("per "),
         "mechanism": "DP-SGD: Poisson sampling of units, per-unit gradient clipping, Gaussian noise",
-        "sample_rate": job.q, "noise_multiplier": job.sigma, "steps": args.steps,
+        "sample_rate": job.q, "sample_rate_source": sample_rate_source(args),
+        "noise_multiplier": job.sigma, "steps": args.steps,
         "max_grad_norm": args.max_grad_norm, "clipping": args.clipping,
-        "expected_batch_size": job.batches.expected_batch_size,
         "trained_parameters": trained, "lora": job.model_desc.get("lora"),
         "privacy_void": args.insecure_seed is not None, "insecure_seed": args.insecure_seed,
         "not_covered": "losses, timings and counts in metrics.jsonl and summary.json come from the data without "
@@ -215,7 +223,7 @@ def _write_outputs(job: Job, summary_: dict, eps: float) -> str:
     png = loss_vs_epsilon([{"epsilon": r["epsilon"], "loss": _private(r).get("train_loss"),
                             "eval_loss": _private(r).get("eval_loss")} for r in job.rows],
                           job.run_dir / "loss_vs_epsilon.png",
-                          title=plot_title(job.model_name, job.args.seq_len, job.batches.expected_batch_size,
+                          title=plot_title(job.model_name, job.args.seq_len, sampling_choice(job.args),
                                            job.sigma, job.unit))
     (job.run_dir / "summary.json").write_text(json.dumps(summary_, indent=1) + "\n")
     return ", ".join(written + [str(privacy), str(png), str(final)])

@@ -27,10 +27,14 @@ to fp32 (2**-24) and the fp32 product remain. Embedding gradients in sparse-row 
 clipped and summed from the token ids without a (B, V, H) tensor.
 
 Layers the ``ghost_norm`` pass moved to the ``outer`` form (g_b = L_bᵀ R_b) get their norms
-from float64 Gram matrices and their clipped sum from one fp32 matmul over all samples'
-tokens (book-keeping), as in DP-ZeRO and Opacus' ghost clipping: the norms are float64 as
-above, but that matmul's rounding (relative ~2**-24 of the summed terms) is shared among the
-samples rather than bounded per sample.
+from float64 Gram matrices (ghost norm) and their clipped sum from matmuls over all samples'
+tokens (book-keeping). Both round on the per-token products l_bt r_btᵀ, whose size
+A_b = Σ_t ‖l_bt‖‖r_bt‖ can be far above ‖g_b‖ when a sample's tokens cancel, so both are
+bounded by A_b, not by ‖g_b‖, and counted against C (see ``_ghost_sq_norm`` and
+``_book_keeping``): the squared norm is raised by its rounding bound, the book-keeping sum is
+accumulated in float64, and its rounding bound, κ·A_b, joins the clip factor's denominator.
+A sample with cancelling tokens is clipped as if its norm were κ·A_b, and then every
+contribution, and the whole sum's rounding, stay within C·(1 + 1e-6) measured in float64.
 """
 from __future__ import annotations
 
@@ -67,7 +71,12 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     with graph.inserting_before(output):
         real = b(aten.gt.Scalar, mask, 0)
         grams = {}  # one float64 Gram per ghost-norm operand (q, k and v read the same input)
-        sq = {name: _sq_norm(rw, b, grads[name], grams) for name in names}
+        sq, token_sizes = {}, {}  # token_sizes: A_b of each ghost layer (see _book_keeping)
+        for name in names:
+            if grads[name].only_outer:
+                sq[name], token_sizes[name] = _ghost_sq_norm(b, *grads[name].outer, grams)
+            else:
+                sq[name] = _sq_norm(rw, b, grads[name])
         if ctx.sp_size > 1:
             sq = _all_reduce_shard_norms(b, ctx, sq, per_parameter=cfg.clipping == "per_layer")
         parts = list(sq.values())
@@ -76,19 +85,28 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             total = b(aten.add.Tensor, total, part)
         norm = b(aten.sqrt.default, total)
         keep = b(aten.logical_and.default, real, b(aten.isfinite.default, norm))
+        per_layer = cfg.clipping == "per_layer"
+        # Each ghost layer's book-keeping rounding bound, κ·A_b, counted against C. Per layer,
+        # the ghost layers' thresholds C/sqrt(K) add up to (ghost layers)/sqrt(K) times C.
+        thresholds = len(token_sizes) / math.sqrt(len(names)) if per_layer else 1.0
+        rounding = {name: b(aten.mul.Tensor, size, _book_keeping_kappa(grads[name], thresholds))
+                    for name, size in token_sizes.items()}
         if cfg.clipping == "flat":
-            factor = _min1(b, _ratio(b, cfg.max_grad_norm, b(aten.add.Scalar, norm, _EPS)))
-            factors = {name: factor for name in names}
+            denominator = _plus(b, b(aten.add.Scalar, norm, _EPS), rounding.values())
+            factors = dict.fromkeys(names, _min1(b, _ratio(b, cfg.max_grad_norm, denominator)))
         elif cfg.clipping == "automatic":
-            factor = _ratio(b, cfg.max_grad_norm, b(aten.add.Scalar, norm, cfg.automatic_gamma))
-            factors = {name: factor for name in names}
+            denominator = _plus(b, b(aten.add.Scalar, norm, cfg.automatic_gamma), rounding.values())
+            factors = dict.fromkeys(names, _ratio(b, cfg.max_grad_norm, denominator))
         else:  # per_layer
             threshold = cfg.max_grad_norm / math.sqrt(len(names))
-            factors = {
-                name: _min1(b, _ratio(b, threshold, b(aten.add.Scalar, b(aten.sqrt.default, sq[name]), _EPS)))
-                for name in names}
-        factors = {name: _fp32(b, b(aten.where.ScalarOther, keep, f, 0.0)) for name, f in factors.items()}
-        sums = {name: _weighted_sum(rw, b, grads[name], factors[name], keep) for name in names}
+            factors = {}
+            for name in names:
+                denominator = b(aten.add.Scalar, b(aten.sqrt.default, sq[name]), _EPS)
+                denominator = _plus(b, denominator, [rounding[name]] if name in rounding else [])
+                factors[name] = _min1(b, _ratio(b, threshold, denominator))
+        factors = {name: b(aten.where.ScalarOther, keep, f, 0.0) for name, f in factors.items()}
+        sums = {name: _book_keeping(b, *grads[name].outer, factors[name], keep) if grads[name].only_outer
+                else _weighted_sum(rw, b, grads[name], _fp32(b, factors[name]), keep) for name in names}
         sums = [sums[name] for name in ctx.captured.param_names]
         loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, keep, loss, 0.0))
         norms = b(aten.where.ScalarOther, real, norm, 0.0)
@@ -130,6 +148,12 @@ def _ratio(b, c: float, x: fx.Node) -> fx.Node:
     return b(aten.mul.Tensor, b(aten.reciprocal.default, x), c)
 
 
+def _plus(b, x: fx.Node, terms) -> fx.Node:
+    for t in terms:
+        x = b(aten.add.Tensor, x, t)
+    return x
+
+
 def _min1(b, x: fx.Node) -> fx.Node:
     return b(aten.clamp_max.default, x, 1.0)
 
@@ -150,10 +174,8 @@ def _concat_rows(b, g: PerSampleGrad):
     return (b(aten.cat.default, [i for i, _ in g.rows], 1), b(aten.cat.default, [v for _, v in g.rows], 1))
 
 
-def _sq_norm(rw: Rewriter, b, g: PerSampleGrad, grams: dict) -> fx.Node:
-    """Per-sample squared norm (B,) in float64."""
-    if g.only_outer:
-        return _ghost_sq_norm(b, *g.outer, grams)
+def _sq_norm(rw: Rewriter, b, g: PerSampleGrad) -> fx.Node:
+    """Per-sample squared norm (B,) in float64 of a gradient held densely or as rows."""
     if g.dense is not None or g.outer:
         x = rw.densify(g)
         shape = val(x).shape
@@ -173,29 +195,92 @@ def _sq_norm(rw: Rewriter, b, g: PerSampleGrad, grams: dict) -> fx.Node:
     return _rows_sq_norm(b, *_concat_rows(b, g), num_rows=g.shape[0])
 
 
-def _ghost_sq_norm(b, left: fx.Node, right: fx.Node, grams: dict) -> fx.Node:
-    """‖L_bᵀ R_b‖² = ⟨L_b L_bᵀ, R_b R_bᵀ⟩ (Frobenius), from (B, T, T) Grams in float64.
+def _gamma(k: int) -> float:
+    """Higham's γ_k = k·u / (1 − k·u) for float64 (u = 2**-53): a sum or dot product of k terms
+    in float64, in any order, is within γ_k · Σ|terms| of the exact value."""
+    ku = k * 2.0 ** -53
+    return ku / (1 - ku)
 
-    float64 because the inner product cancels: it sums terms of both signs whose sizes are
-    ‖L_b‖²‖R_b‖², far above the result when a sample's tokens pull the weight different
-    ways, and an underestimated norm would let the sample through unclipped. The samples
-    go in chunks whose float64 copies and Grams take no more bytes than the fp32 per-sample
-    gradient they replace; a chunk's Gram of an input several layers read is formed once.
+
+def _sample_chunks(B: int, T: int, m: int, n: int) -> list[tuple[int, int]]:
+    """Sample ranges whose float64 copies of L and R and (T, T) Grams take no more bytes than
+    the fp32 (B, m, n) per-sample gradient the ghost layer replaces."""
+    per_chunk = max(1, B * m * n // (2 * (T * (m + n) + 2 * T * T)))
+    return [(start, min(B, start + per_chunk)) for start in range(0, B, per_chunk)]
+
+
+def _float64_rows(b, x: fx.Node, start: int, stop: int) -> fx.Node:
+    B = val(x).shape[0]
+    return b(aten._to_copy.default, x if stop - start == B else b(aten.slice.Tensor, x, 0, start, stop),
+             dtype=torch.float64)
+
+
+def _ghost_sq_norm(b, left: fx.Node, right: fx.Node, grams: dict) -> tuple[fx.Node, fx.Node]:
+    """(an upper bound on ‖L_bᵀ R_b‖², A_b = Σ_t ‖l_bt‖·‖r_bt‖), both (B,) float64.
+
+    ‖L_bᵀ R_b‖² = ⟨L_b L_bᵀ, R_b R_bᵀ⟩ (Frobenius), from (B, T, T) Grams in float64. The
+    inner product cancels: it sums T² terms of both signs, each at most ‖l_t‖‖l_s‖‖r_t‖‖r_s‖,
+    so its float64 rounding is at most γ_{m+n+1+T²}·A_b², however small the result. That bound
+    (doubled, for the rounding of A_b itself) is added, so the norm is never underestimated and
+    a sample whose tokens cancel is not let through unclipped. A_b comes free from the Grams'
+    diagonals (‖l_t‖², ‖r_t‖²). The samples go in chunks (``_sample_chunks``); a chunk's Gram of
+    an input several layers read is formed once.
     """
     B, T, m = val(left).shape
     n = val(right).shape[2]
-    per_chunk = max(1, B * m * n // (2 * (T * (m + n) + 2 * T * T)))
-    parts = []
-    for start in range(0, B, per_chunk):
-        stop = min(B, start + per_chunk)
+    sq_parts, size_parts = [], []
+    for start, stop in _sample_chunks(B, T, m, n):
         for x in (left, right):
             if (x, start, stop) not in grams:
-                x64 = b(aten._to_copy.default, x if stop - start == B else b(aten.slice.Tensor, x, 0, start, stop),
-                        dtype=torch.float64)
+                x64 = _float64_rows(b, x, start, stop)
                 grams[x, start, stop] = b(aten.bmm.default, x64, b(aten.transpose.int, x64, 1, 2))
-        product = b(aten.mul.Tensor, grams[left, start, stop], grams[right, start, stop])
-        parts.append(b(aten.sum.dim_IntList, product, [1, 2]))
-    return parts[0] if len(parts) == 1 else b(aten.cat.default, parts)
+        gl, gr = grams[left, start, stop], grams[right, start, stop]
+        sq_parts.append(b(aten.sum.dim_IntList, b(aten.mul.Tensor, gl, gr), [1, 2]))
+        token_products = b(aten.mul.Tensor, b(aten.diagonal.default, gl, 0, 1, 2), b(aten.diagonal.default, gr, 0, 1, 2))
+        size_parts.append(b(aten.sum.dim_IntList, b(aten.sqrt.default, token_products), [1]))
+    sq = sq_parts[0] if len(sq_parts) == 1 else b(aten.cat.default, sq_parts)
+    size = size_parts[0] if len(size_parts) == 1 else b(aten.cat.default, size_parts)
+    bound = b(aten.mul.Tensor, b(aten.mul.Tensor, size, size), 2 * _gamma(m + n + 1 + T * T))
+    return b(aten.add.Tensor, sq, bound), size
+
+
+def _book_keeping_kappa(g: PerSampleGrad, threshold_sum: float) -> float:
+    """κ such that clipping with κ·A_b in the denominator bounds the float64 book-keeping sum's
+    rounding, over the whole batch, by 2.5e-7·C (``threshold_sum`` = Σ thresholds / C)."""
+    B, T, _ = val(g.outer[0]).shape
+    return _gamma(B * T + 1) * B * threshold_sum / 2.5e-7
+
+
+def _book_keeping(b, left: fx.Node, right: fx.Node, factor: fx.Node, keep: fx.Node) -> fx.Node:
+    """Σ_b f_b L_bᵀ R_b in float64, chunk by chunk of samples, returned in fp32.
+
+    Why float64, and why the factor holds κ·A_b: the sum's rounding falls on the per-token
+    products, not on the (clipped) per-sample gradients. Each of its coordinates is a dot
+    product of B·T terms (plus the scaling by f_b), so, in any order of summation, the Frobenius
+    error is at most γ_{BT+1}·Σ_b f_b A_b. A factor with κ·A_b in its denominator makes every
+    f_b A_b ≤ C/κ, and κ (``_book_keeping_kappa``) then puts the whole error below 2.5e-7·C: a
+    sample's own contribution is within C·(1 + 2.5e-7) in float64, and adding or removing a
+    sample moves the other samples' rounding by at most 5e-7·C. In fp32 the same bound would
+    need κ ~ 10**9 times larger, clipping every sample far below C. The last rounding to fp32
+    is relative 2**-24 per coordinate, as for every fp32 gradient.
+    """
+    B, T, m = val(left).shape
+    n = val(right).shape[2]
+    total = None
+    for start, stop in _sample_chunks(B, T, m, n):
+        rows = (stop - start) * T
+        part = slice(start, stop)
+        scaled = b(aten.mul.Tensor, _float64_rows(b, _mask_rows(b, keep, left), start, stop),
+                   b(aten.view.default, _rows_of(b, factor, part, B), [stop - start, 1, 1]))
+        r64 = _float64_rows(b, _mask_rows(b, keep, right), start, stop)
+        lt = b(aten.t.default, b(aten.view.default, scaled, [rows, m]))
+        r64 = b(aten.view.default, r64, [rows, n])
+        total = b(aten.mm.default, lt, r64) if total is None else b(aten.addmm.default, total, lt, r64)
+    return b(aten._to_copy.default, total, dtype=torch.float32)
+
+
+def _rows_of(b, x: fx.Node, part: slice, B: int) -> fx.Node:
+    return x if part.stop - part.start == B else b(aten.slice.Tensor, x, 0, part.start, part.stop)
 
 
 def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, num_rows: int) -> fx.Node:
@@ -229,14 +314,6 @@ def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, num_rows: int) -> fx.Nod
 
 def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node) -> fx.Node:
     """sum_b factor[b] * g_b in fp32, with padding rows masked out."""
-    if g.only_outer:  # book-keeping: one matmul over all tokens
-        left, right = g.outer
-        B, T, m = val(left).shape
-        n = val(right).shape[2]
-        scaled = b(aten.mul.Tensor, _mask_rows(b, keep, _fp32(b, left)), b(aten.view.default, factor, [B, 1, 1]))
-        right = _mask_rows(b, keep, _fp32(b, right))
-        return b(aten.mm.default, b(aten.t.default, b(aten.view.default, scaled, [B * T, m])),
-                 b(aten.view.default, right, [B * T, n]))
     if g.dense is not None or g.outer:
         dense = rw.densify(g)
         out = b(aten.einsum.default, "b,b...->...", [factor, _mask_rows(b, keep, _fp32(b, dense))])

@@ -9,16 +9,16 @@ cost model below prefers it. ``clip`` then never forms the (B, m, n) per-sample 
 - the norm by ghost norm (Li et al. 2022): ‖g_b‖² = ⟨L_b L_bᵀ, R_b R_bᵀ⟩, two (T, T) Gram
   matrices per sample, in float64 (one Gram serves every layer that reads the same input,
   e.g. q, k and v);
-- the clipped sum by book-keeping (Bu et al. 2023, DP-ZeRO): one matmul
-  Σ_b f_b L_bᵀ R_b over the kept L and R, the cost of the non-private weight gradient.
+- the clipped sum by book-keeping (Bu et al. 2023, DP-ZeRO): Σ_b f_b L_bᵀ R_b over the kept L
+  and R, accumulated in float64 with its rounding bound counted in the clip factor (``clip``).
 
 Cost model, per layer: ghost when 2T(m+n) ≤ m·n. The Grams cost B·T²·(m+n) float64
 multiply-adds where the per-sample einsum cost B·T·m·n in the compute dtype; counting a
 float64 one as two (this CPU; see the note in README), ghost is then no slower, and the L
 and R it keeps until the clip (B·T·(m+n) values) are at most half the (B, m, n) per-sample
 gradient. DP-ZeRO's rule, 2T² ≤ m·n, compares only the Grams' size with the gradient's;
-measured here (``benchmarks/ghost_norm.py``: one Linear(1024, 1024), B=8) ghost took 0.91×
-the per-sample time at T=256 but 1.58× at T=512 and 2.16× at T=1024, where that rule still
+measured here (``benchmarks/ghost_norm.py``: one Linear(1024, 1024), B=8) ghost took 1.00×
+the per-sample time at T=256 but 1.82× at T=512 and 3.43× at T=1024 (B=4), where that rule still
 picks it at T=512. So ghost pays for short sequences and wide layers: many samples of short
 text, not long documents.
 

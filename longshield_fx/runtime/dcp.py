@@ -5,11 +5,11 @@ Sharded parameters and optimizer states (``compile(..., fsdp=...)``) are saved a
 DTensors they are, each rank writing its own shards; DCP re-shards them for the mesh of
 the run that loads them (``torch.distributed.checkpoint.state_dict`` gives and takes the
 model's and the optimizer's state in that form). Unsharded models are saved the same way.
-The engine's state (accountant, noise stream, and the sampler's if given) is one object,
-identical on every rank, written once.
+The engine's state (the accountant, and the sampler's if given) is one object, identical on
+every rank, written once. The noise key is not in it: a loaded engine draws fresh noise
+(``Engine.load_state_dict``).
 
-SECRET: the engine's state holds the noise key and the sampling key (``Engine.state_dict``).
-Store checkpoints like the private data.
+SECRET: the sampler's state holds the sampling key. Store checkpoints like the private data.
 """
 from __future__ import annotations
 

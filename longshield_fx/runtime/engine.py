@@ -92,14 +92,22 @@ class Engine:
         self.accountant = self._noise = None
         if config is not None:
             self.accountant = PrivacyAccountant(config.accountant)
-            key = None if config.insecure_seed is None else key_from_insecure_seed(config.insecure_seed, "noise")
-            # On the parameters' device, so the noise is drawn where the gradients are. Every
-            # rank holds rank 0's key. Unsharded, every rank draws the same noise, added once
-            # to the same full gradient; sharded, each shard draws from its own nonces (its
-            # stream), so every coordinate gets one draw and replicas of a shard the same one.
-            device = next(model.parameters()).device
-            stream = self.sharding.index if sharded else 0
-            self._noise = NoiseGenerator(device, secure=config.secure_rng, key=broadcast_key(key), stream=stream)
+            self._noise = self._new_noise("noise")
+
+    def _new_noise(self, purpose: str) -> NoiseGenerator:
+        """A noise generator with a fresh key: 256 bits from the OS, or (tests only) derived from
+        ``insecure_seed`` and ``purpose``. A collective under torch.distributed.
+
+        On the parameters' device, so the noise is drawn where the gradients are. Every rank
+        holds rank 0's key. Unsharded, every rank draws the same noise, added once to the same
+        full gradient; sharded, each shard draws from its own nonces (its stream), so every
+        coordinate gets one draw and replicas of a shard the same one.
+        """
+        seed = self.config.insecure_seed
+        key = None if seed is None else key_from_insecure_seed(seed, purpose)
+        device = next(self.model.parameters()).device
+        stream = self.sharding.index if self.sharding is not None else 0
+        return NoiseGenerator(device, secure=self.config.secure_rng, key=broadcast_key(key), stream=stream)
 
     # --- compilation ----------------------------------------------------------------------
     def lower(self, *example_batch, graph: str = "train") -> Lowered:
@@ -357,25 +365,15 @@ class Engine:
 
     # --- checkpoints ----------------------------------------------------------------------
     def state_dict(self, sampler=None) -> dict:
-        """Accountant and noise-stream state, and ``sampler``'s (a ``PoissonBatches``) if given;
-        not the model or the optimizer.
+        """The accountant's state, and ``sampler``'s (a ``PoissonBatches``) if given; not the
+        model or the optimizer, and not the noise key: an engine never saves or restores its
+        noise stream (see ``load_state_dict``).
 
-        SECRET: the noise key regenerates every noise draw of the run (anyone holding it can
-        subtract the noise from released gradients) and the sampling key tells who was
-        sampled. Store checkpoints like the private data.
-
-        With sharded model states (``fsdp``) this is a collective: every rank calls it (the
-        saved draw counter is the largest of any shard's), as ``save_checkpoint`` does.
+        SECRET: the sampling key tells who was sampled. Store checkpoints like the private data.
         """
         if self._accum is not None:
             raise RuntimeError("engine.state_dict: save between finalize and the next accumulate")
-        noise = self._noise.state_dict()
-        if self.sharding is not None:
-            # Shards draw different amounts; resumed on another layout, every stream must
-            # start past every nonce any shard used.
-            with self.parallel.collective_errors():
-                noise["stream"]["draws"] = self.parallel.max_over_world(noise["stream"]["draws"])
-        state = {"accountant": self.accountant.state_dict(), "noise": noise,
+        state = {"accountant": self.accountant.state_dict(),
                  "nonfinite_samples": self.nonfinite_samples, "config": repr(self.config)}
         if sampler is not None:
             state["sampler"] = sampler.state_dict()
@@ -384,9 +382,15 @@ class Engine:
     def load_state_dict(self, state: dict, sampler=None, *, allow_rollback: bool = False) -> None:
         """Restore a ``state_dict`` (and ``sampler``'s state, saved with it).
 
+        The noise is never restored: every load gives the engine a fresh noise key (a collective
+        under torch.distributed; every rank calls it). Restoring the stream would let two runs
+        continued from one checkpoint draw the same noise, and the difference of their releases
+        would then be the difference of their clipped gradients, noise-free. The sampling stream
+        is restored, so a resumed run samples as the uninterrupted one would.
+
         A state with fewer accounted steps than this engine has already taken is refused
         unless ``allow_rollback=True``: loading it would forget privacy already spent (the
-        released steps stay released)."""
+        released steps stay released). A rollback draws fresh noise like any load."""
         if state.get("config") != repr(self.config):
             raise ValueError(f"engine.load_state_dict: checkpoint DP config {state.get('config')} differs "
                              f"from this engine's {self.config!r}")
@@ -401,7 +405,7 @@ class Engine:
         if sampler is not None:
             sampler.load_state_dict(state["sampler"])
         self.accountant.load_state_dict(state["accountant"])
-        self._noise.load_state_dict(state["noise"])
+        self._noise = self._new_noise(f"noise after loading step {self.accountant.steps}")
         self.nonfinite_samples = int(state.get("nonfinite_samples", 0))
 
     def communication_bytes(self) -> dict[str, int]:

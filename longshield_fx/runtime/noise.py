@@ -16,7 +16,7 @@ each other and against RFC 8439's test vector):
 Each call draws from a fresh 96-bit nonce: a 64-bit draw counter and a 32-bit stream
 number (the shard index when model states are sharded, else 0), so no two draws of any
 rank share a nonce, and the state is just ``(key, draws)``. That state reproduces every future draw: it is secret
-material, and so is any checkpoint that holds it.
+material, and so is any checkpoint that holds it (the sampler's; the engine never saves its noise key).
 
 Floating point: uniforms have 53 random bits (never 0); Box-Muller in float64. With
 ``secure=True`` each noise value is the sum of four independent N(0, std²) draws divided by 2
@@ -173,14 +173,6 @@ class NoiseGenerator:
         fixed = _fixed_words(self.stream.key, self.stream.next_nonce(), self.device)
         counters = torch.arange(_CHUNK_BLOCKS, dtype=torch.int64, device=self.device)
         return _compiled_gaussian_blocks()(fixed, counters, self.secure)
-
-    def state_dict(self) -> dict:
-        return {"stream": self.stream.state_dict(), "secure": self.secure}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["secure"] != self.secure:
-            raise ValueError(f"noise state was saved with secure={state['secure']}, this engine has {self.secure}")
-        self.stream.load_state_dict(state["stream"])
 
 
 def _gaussian(u53: torch.Tensor, secure: bool) -> torch.Tensor:

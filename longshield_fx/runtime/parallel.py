@@ -162,11 +162,6 @@ class Parallel:
         dist.all_reduce(t, group=self.dp_group)
         return int(t.item())
 
-    def max_over_world(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64, device=self.mesh.device_type)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
     def sum_over_sp(self, t: torch.Tensor) -> torch.Tensor:
         if self.sp == 1:
             return t

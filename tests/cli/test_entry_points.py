@@ -37,6 +37,7 @@ from longshield_fx.cli.common import Formatter, Parser
     (["train", "--sigma", "-1"], "--sigma: must be >= 0"),
     (["train", "--sigma", "1", "--target-epsilon", "3"], "not allowed with argument"),
     (["audit", "--canaries", "0"], "--canaries: must be > 0"),
+    (["audit", "--canaries", "1", "-T", "32", "--max-files", "20"], "--canaries 1: even all-correct guesses"),
     (["audit", "--kind", "grey"], "invalid choice: 'grey'"),
     (["audit", "--confidence", "1.5"], "--confidence: must be in (0, 1)"),
     (["audit", "--resume", "runs/train"], "unrecognized arguments: --resume"),

@@ -15,11 +15,11 @@ import sys
 
 import pytest
 import torch
+import transformers
 
 from cli_runs import run_in_process
 from finetune_fixtures import documents, pretrain, save, tiny_llama, tokenizer, write_folder
 
-transformers = pytest.importorskip("transformers")
 
 T = ["-T", 64, "--max-rows", 4]
 # A given σ: calibrating one to a target ε costs ~10 s of PLD accounting per run.
@@ -73,7 +73,7 @@ def check_privacy_json(run):
     assert record["epsilon"] == summary["epsilon"] and record["delta"] == summary["delta"]
     assert (record["sample_rate"], record["noise_multiplier"], record["max_grad_norm"]) == \
         (summary["sample_rate"], summary["sigma"], summary["max_grad_norm"])
-    assert record["steps"] == 3 and record["clipping"] == "flat" and record["units"] == 50
+    assert record["steps"] == 3 and record["clipping"] == "flat" and "units" not in record
     assert record["privacy_unit"] == "document (add/remove one document)" and record["accountant"].startswith("PLD")
     return record
 
@@ -84,7 +84,7 @@ def test_own_model_and_documents_train_and_the_saved_model_reloads(world):
     assert r.returncode == 0, r.stderr
     # The loader's report: units, rows, truncation, the skipped non-UTF-8 file.
     assert "data: " in r.stdout and "50 units (50 documents)" in r.stdout and "4 rows per unit" in r.stdout
-    assert "units truncated" in r.stdout and "(non-UTF-8: 1, empty: 0)" in r.stdout, r.stdout
+    assert "units truncated" in r.stdout and "(non-UTF-8: 1, empty: 0, one file reached twice: 0)" in r.stdout, r.stdout
     assert (run / "model" / "model.safetensors").is_file() and (run / "model" / "tokenizer.json").is_file()
     saved = transformers.AutoModelForCausalLM.from_pretrained(run / "model")
     ids = torch.randint(0, saved.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -97,7 +97,7 @@ def test_own_model_and_documents_train_and_the_saved_model_reloads(world):
 
 
 def test_lora_trains_only_the_adapters_and_saves_merged_or_as_adapter(world):
-    peft = pytest.importorskip("peft")
+    import peft
     run = world / "lora"
     r = run_in_process(["train", "--model", world / "random", "--data", world / "data", *QUICK, "--lora", 4,
                         "--out", run], world)
@@ -215,6 +215,81 @@ def test_hf_config_of_any_architecture_on_a_jsonl_of_people(world, tmp_path):
     assert "HF GPT2LMHeadModel" in r.stdout and "5 units (12 documents)" in r.stdout, r.stdout
     assert "ε = " in r.stdout and "every document sharing one 'id'" in r.stdout
     record = json.loads((run / "privacy.json").read_text())
-    assert record["units"] == 5 and record["privacy_unit"].startswith("unit: every document sharing one 'id'")
+    assert record["privacy_unit"].startswith("unit: every document sharing one 'id'")
     saved = transformers.AutoModelForCausalLM.from_pretrained(run / "model")
     assert type(saved).__name__ == "GPT2LMHeadModel"
+
+
+# What may be written outside ``not_covered_by_dp``: the user's flags and what DP covers. Counts read
+# from the data (units, rows, tokens, batch sizes), its path, timings and losses may not.
+PUBLIC = {
+    "privacy.json": {"epsilon", "delta", "delta_rule", "accountant", "privacy_unit", "mechanism", "sample_rate",
+                     "sample_rate_source", "noise_multiplier", "steps", "max_grad_norm", "clipping",
+                     "trained_parameters", "lora", "privacy_void", "insecure_seed", "not_covered", "library"},
+    "summary.json": {"steps", "resumed_from", "privacy_unit", "epsilon", "delta", "delta_rule", "accountant",
+                     "target_epsilon", "sigma", "sample_rate", "sample_rate_source", "expected_batch_size",
+                     "max_grad_norm", "insecure_seed", "privacy_void", "init_seed", "seq_len", "max_files",
+                     "parameters"},
+    "signature.json": {"init_seed", "dp.max_grad_norm", "dp.noise_multiplier", "dp.clipping", "dp.expected_batch_size",
+                       "dp.delta", "dp.accountant", "dp.insecure_seed", "dp.target_epsilon", "seq_len",
+                       "physical_batch_size", "steps", "corpus.unit", "corpus.data_path_sha256", "corpus.max_rows",
+                       "corpus.unit_key", "corpus.eval_fraction", "corpus.split_seed", "optimizer.name",
+                       "optimizer.lr", "optimizer.weight_decay"},
+    "metrics.jsonl": {"step", "epsilon", "delta", "sigma"},
+}
+
+
+def _public_keys(obj, prefix=""):
+    """Dotted paths of every leaf outside ``not_covered_by_dp`` (model descriptions: architecture)."""
+    for key, value in obj.items():
+        path = prefix + key
+        if key == "not_covered_by_dp" or path == "model":
+            continue
+        if isinstance(value, dict):
+            yield from _public_keys(value, path + ".")
+        else:
+            yield path, value
+
+
+def test_every_key_train_writes_is_public_or_under_not_covered_by_dp(tmp_path):
+    """Every file a --data run writes, with held-out units, checkpoints and --log-private-stats: each
+    key outside not_covered_by_dp is a public parameter, and neither the number of units nor the data
+    path appears outside it."""
+    texts = documents(21, seed=6)
+    data = tmp_path / "people.jsonl"
+    data.write_text("".join(json.dumps({"id": f"person {i % 7}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    run = tmp_path / "run"
+    r = run_in_process(["train", "--data", data, "--eval-fraction", 0.25, "--steps", 2, "-T", 32, "--max-rows", 4,
+                        "--expected-batch-size", 2, "--physical-batch-size", 2, "--sigma", 1, "--save-every", 1,
+                        "--log-private-stats", "--accountant", "rdp", "--out", run], tmp_path)
+    assert r.returncode == 0, r.stderr
+    written = {name: [json.loads((run / name).read_text())] for name in ("privacy.json", "summary.json",
+                                                                         "signature.json")}
+    written["metrics.jsonl"] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    from longshield_fx.cli.checkpoints import list_checkpoints
+    signature_in_checkpoint = torch.load(list_checkpoints(run / "checkpoints")[-1][1], weights_only=False)["signature"]
+    assert signature_in_checkpoint == written["signature.json"][0]
+    for name, objects in written.items():
+        for obj in objects:
+            public = dict(_public_keys(obj))
+            assert set(public) <= PUBLIC[name], (name, set(public) - PUBLIC[name])
+            assert str(data) not in json.dumps(public) and str(tmp_path) not in json.dumps(public), name
+    summary = written["summary.json"][0]
+    assert summary["not_covered_by_dp"]["corpus"]["units"] == 5  # 7 people, 2 held out: only under the label
+    assert summary["sample_rate"] == pytest.approx(2 / 5) and summary["sample_rate_source"].startswith("derived")
+    assert written["privacy.json"][0]["sample_rate_source"].startswith("derived")
+    assert written["signature.json"][0]["corpus"]["not_covered_by_dp"] == {"units": 5, "rows_per_unit": 4}
+
+
+def test_a_chosen_sample_rate_is_public_and_the_expected_batch_size_is_not(tmp_path):
+    write_folder(tmp_path / "data", documents(10, seed=7))
+    run = tmp_path / "run"
+    r = run_in_process(["train", "--data", tmp_path / "data", "--sample-rate", 0.3, "--steps", 1, "-T", 32,
+                        "--max-rows", 2, "--physical-batch-size", 4, "--sigma", 1, "--save-every", 0,
+                        "--accountant", "rdp", "--out", run], tmp_path)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    privacy = json.loads((run / "privacy.json").read_text())
+    assert summary["sample_rate"] == privacy["sample_rate"] == 0.3
+    assert privacy["sample_rate_source"] == summary["sample_rate_source"] == "chosen (--sample-rate): public"
+    assert "expected_batch_size" not in summary and summary["not_covered_by_dp"]["expected_batch_size"] == 3.0

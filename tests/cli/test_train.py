@@ -1,20 +1,21 @@
 """``longshield-fx train``: a short run, checkpoints and resume, privacy of what it writes.
 
 - a short training run writes metrics, the loss-vs-ε plot and a summary, and reports ε <= target,
-  per document, at δ = min(1e-5, N^-1.1), with the PLD accountant;
+  per document, at δ = the largest power of ten <= min(1e-5, N^-1.1), with the PLD accountant;
 - privacy: ``--seed`` seeds the model only (same seed: same initial model, different noise);
   ``--insecure-seed`` is loud, recorded and reproducible; one corpus row per document, truncation
   reported; losses and counts only under ``not_covered_by_dp``, batch sizes only with
   ``--log-private-stats``;
-- checkpoints (SECRET: noise and sampling keys): a run SIGKILLed while writing a checkpoint, then
-  ``--resume``, gives bit-identical final parameters; temp and damaged files are never loaded; a
-  checkpoint of a different run is refused by name;
+- checkpoints (SECRET: the sampling key; never the noise key): a run SIGKILLed while writing a
+  checkpoint, then ``--resume``, redoes the lost steps on the same batches with fresh noise; temp
+  and damaged files are never loaded; a checkpoint of a different run is refused by name;
 - under torchrun, ``--cp 2`` trains and reports the same ε as one process.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shutil
 import signal
@@ -28,7 +29,7 @@ from cli_runs import (FAST, SHORT, assert_bit_identical, env, load_state, metric
                       run_in_process, train_losses)
 from longshield_fx import cli
 from longshield_fx.cli.checkpoints import atomic_save, list_checkpoints
-from longshield_fx.cli.corpus import default_delta, stdlib_corpus, stdlib_files
+from longshield_fx.cli.corpus import DELTA_RULE, default_delta, stdlib_corpus, stdlib_files
 
 
 # --- train ----------------------------------------------------------------------------------
@@ -83,9 +84,10 @@ sys.exit(main(sys.argv[2:]))
 def test_sigkill_while_saving_then_resume_skips_temp_and_damaged_files_and_is_bit_identical(short_run, tmp_path):
     """The short run's copy is cut back to its step-10 checkpoint; resuming it is SIGKILLed while
     writing the step-12 checkpoint (steps 11-12 done, metrics written, a half temp file left);
-    a damaged file under a complete name (ckpt-00000012.pt) is planted; resuming again gives the
-    uninterrupted run's parameters bit for bit. No --insecure-seed: the checkpoint holds the secret
-    noise and sampling streams, so the resumed run continues them exactly."""
+    a damaged file under a complete name (ckpt-00000012.pt) is planted; resuming again redoes
+    steps 11-12 from the step-10 model on the same batches (the checkpoint holds the secret
+    sampling stream): step 11's loss is the uninterrupted run's, ε is the same, and the final
+    model differs on most coordinates, because a resumed engine never reuses the noise key."""
     run, _ = short_run
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
@@ -107,32 +109,50 @@ def test_sigkill_while_saving_then_resume_skips_temp_and_damaged_files_and_is_bi
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "ckpt-00000010.pt at step 10/12" in res.stdout
     assert "skipped unreadable checkpoint(s) ckpt-00000012.pt" in res.stdout + res.stderr
-    assert_bit_identical(load_state(run / "final_model.pt"), load_state(copy / "final_model.pt"))
+    uninterrupted, resumed = load_state(run / "final_model.pt"), load_state(copy / "final_model.pt")
+    changed = sum(int((uninterrupted[k] != resumed[k]).sum()) for k in resumed)
+    assert changed > 0.5 * sum(v.numel() for v in resumed.values())  # fresh noise in steps 11 and 12
     before, after = metric_rows(run), metric_rows(copy)
 
     def losses(rows):
         return [(r["step"], r["not_covered_by_dp"]["train_loss"], r["not_covered_by_dp"]["nonfinite_samples"])
                 for r in rows]
 
-    assert losses(before) == losses(after)  # the killed run's rows 11, 12 were dropped and redone
+    # The killed run's rows 11, 12 were dropped and redone: step 11 from the same model and batch.
+    assert losses(before)[:11] == losses(after)[:11] and len(after) == 12
     # PLD composes the resumed history (10 steps at once, then 1) in another grouping than the
     # uninterrupted run (1 at a time): the same ε up to PLD's discretisation rounding.
     assert [r["epsilon"] for r in after] == pytest.approx([r["epsilon"] for r in before], rel=1e-8)
 
 
 @pytest.mark.parametrize("change, named", [
-    (["-T", "256"], "seq_len: 128 in the checkpoint, 256 now"),
-    (["-T", "128", "--clipping", "per_layer"], "dp.clipping: 'flat' in the checkpoint, 'per_layer' now"),
-    (["-T", "128", "--model", "small"], "model.dim: 64 in the checkpoint, 256 now"),
+    (["-T", "256"], "--seq-len 256 (the run has 128): this flag differs"),
+    (["-T", "128", "--clipping", "per_layer"], "--clipping 'per_layer' (the run has 'flat'): this flag differs"),
+    (["-T", "128", "--model", "small"], "--model 'small' (the run has 'tiny')"),
 ])
-def test_resume_refuses_checkpoint_of_a_different_run(short_run, tmp_path, capsys, change, named):
+def test_resume_refuses_a_flag_that_differs_from_the_run_by_name(short_run, tmp_path, capsys, change, named):
     run, _ = short_run
     code = cli.main(["train", "--steps", "12", "--save-every", "2", *FAST, *change, "--resume", str(run),
                      "--out", str(tmp_path / "other")])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "refusing to resume" in err and named in err, err
+    assert named in err, err
+    assert not (tmp_path / "other").exists()
+
+
+def test_resume_refuses_a_checkpoint_whose_data_changed(short_run, tmp_path, capsys):
+    """The flags are the run's own, but the checkpoint's signature says it saw other data."""
+    run, _ = short_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    ckpt = copy / "checkpoints" / "ckpt-00000012.pt"
+    state = torch.load(ckpt, weights_only=True)
+    state["signature"]["corpus"]["not_covered_by_dp"]["documents"] += 1
+    torch.save(state, ckpt)
+    assert cli.main(["train", "--resume", str(copy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "refusing to resume" in err and "corpus.not_covered_by_dp.documents" in err, err
 
 
 # --- privacy of what train writes and prints -----------------------------------------------
@@ -141,20 +161,24 @@ def test_epsilon_is_per_document_at_delta_well_below_one_over_n_with_pld(short_r
     run, res = short_run
     n = stdlib_corpus(128, 60).num_documents
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["delta"] == min(1e-5, n ** -1.1) < 1 / n
-    assert summary["delta_rule"] == "min(1e-5, N^-1.1)" and summary["accountant"] == "pld"
+    assert summary["delta"] == default_delta(n) == 1e-5 < 1 / n
+    assert summary["delta_rule"] == DELTA_RULE and summary["accountant"] == "pld"
     assert summary["privacy_unit"] == "document (add/remove one document)"
     assert re.search(r"privacy: ε = [0-9.]+ per document \(add/remove one document\), δ = 1e-05, PLD accountant "
                      r"<= target 8", res.stdout), res.stdout
-    assert f"δ = 1e-05 (min(1e-5, N^-1.1) for N = {n} documents, well below 1/N" in res.stdout
+    assert f"δ = 1e-05 (the largest power of ten <= min(1e-5, N^-1.1) for N = {n} documents, well below 1/N" \
+        in res.stdout
     assert summary["insecure_seed"] is None and not summary["privacy_void"] and "WARNING" not in res.stdout
 
 
-def test_default_delta_is_min_of_1e5_and_n_to_the_minus_1_1():
-    assert default_delta(60) == 1e-5
-    assert default_delta(10 ** 6) == pytest.approx(10 ** -6.6)
-    for n in (1, 10, 10 ** 5, 10 ** 9):
-        assert default_delta(n) < 1 / n and n * default_delta(n) <= n ** -0.1 * (1 + 1e-12)
+def test_default_delta_is_a_power_of_ten_below_min_of_1e5_and_n_to_the_minus_1_1():
+    """A power of ten: δ is published, and then tells N's order of magnitude at most."""
+    assert default_delta(60) == 1e-5 and default_delta(35111) == 1e-5 and default_delta(35112) == 1e-6
+    assert default_delta(10 ** 6) == 1e-7
+    for n in (1, 10, 10 ** 5, 10 ** 6 + 1, 10 ** 9):
+        d = default_delta(n)
+        assert d < 1 / n and n * d <= n ** -0.1 * (1 + 1e-12) and d <= min(1e-5, n ** -1.1)
+        assert d == 10.0 ** round(math.log10(d)) and 10 * d > min(1e-5, n ** -1.1)
 
 
 def test_help_says_what_seed_delta_accountant_and_checkpoints_mean():
@@ -234,7 +258,7 @@ def test_corpus_is_one_row_per_document_with_truncation_reported(short_run):
             f"is the document); {c.truncated} truncated to 128 bytes, {c.fraction_used:.1%} of the corpus bytes "
             "used") in res.stdout
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["corpus"]["documents"] == c.num_documents
+    assert "corpus" not in summary and summary["not_covered_by_dp"]["corpus"]["documents"] == c.num_documents
     assert summary["not_covered_by_dp"]["corpus"]["truncated_documents"] == c.truncated
     assert summary["not_covered_by_dp"]["corpus"]["bytes_used_fraction"] == pytest.approx(c.fraction_used, abs=1e-6)
 
@@ -283,13 +307,83 @@ def test_log_private_stats_writes_batch_sizes_labelled_and_the_plot_says_loss_is
     assert "tokens/s (NOT covered by DP)" in out
 
 
-def test_checkpoints_hold_the_secret_sampling_and_noise_streams(short_run):
+def test_checkpoints_hold_the_secret_sampling_stream_and_never_the_noise_key(short_run):
     run, _ = short_run
     state = load_state(run / "checkpoints" / "ckpt-00000012.pt")
-    sampling, noise = state["sampler"]["stream"], state["engine"]["noise"]["stream"]
-    assert state["sampler"]["step"] == 12 and sampling["draws"] == 12
-    assert len(sampling["key"]) == len(noise["key"]) == 32 and sampling["key"] != noise["key"]
-    assert noise["draws"] > 0 and state["engine"]["accountant"]["history"][0][2] == 12
+    sampling = state["sampler"]["stream"]
+    assert state["sampler"]["step"] == 12 and sampling["draws"] == 12 and len(sampling["key"]) == 32
+    assert set(state["engine"]) == {"accountant", "nonfinite_samples", "config"}
+    assert state["engine"]["accountant"]["history"][0][2] == 12
+
+
+def _cut_back_to_step_10(run, copy):
+    shutil.copytree(run, copy)
+    (copy / "checkpoints" / "ckpt-00000012.pt").unlink()
+    (copy / "final_model.pt").unlink()
+    return {p.name: p.read_bytes() for p in (copy / "checkpoints").iterdir()}
+
+
+def test_the_same_command_in_its_out_continues_its_run_and_another_run_there_is_refused(short_run, tmp_path):
+    """A run stopped after its step-10 checkpoint: another command in its --out is refused in one
+    line naming --resume and a new --out, and deletes nothing; the run's own command (as torchrun
+    --max-restarts relaunches it) continues it from step 10."""
+    run, _ = short_run
+    copy = tmp_path / "run"
+    before = _cut_back_to_step_10(run, copy)
+    other = run_in_process([*SHORT[:4], 64, *SHORT[5:], "--out", copy], tmp_path)  # -T 64 instead of 128
+    assert SHORT[3:5] == ["-T", 128]
+    assert other.returncode == 2
+    lines = [line for line in other.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "holds another run's checkpoints (seq_len: 128 in the checkpoint, 64 now" in lines[0]
+    assert f"--resume {copy}" in lines[0] and "new --out" in lines[0] and "nothing was changed" in lines[0]
+    assert {p.name: p.read_bytes() for p in (copy / "checkpoints").iterdir()} == before
+    same = run_in_process([*SHORT, "--out", copy], tmp_path)
+    assert same.returncode == 0, same.stderr[-2000:]
+    assert "resumed from" in same.stdout and "ckpt-00000010.pt at step 10/12" in same.stdout
+    assert [r["step"] for r in metric_rows(copy)] == list(range(1, 13))
+
+
+def test_resume_alone_takes_the_runs_own_flags_and_refuses_a_differing_one_by_name(short_run, tmp_path):
+    run, _ = short_run
+    copy = tmp_path / "run"
+    _cut_back_to_step_10(run, copy)
+    differing = run_in_process(["train", "--resume", copy, "--lr", 0.5, "-T", 128], tmp_path)
+    assert differing.returncode == 2
+    assert "--lr 0.5 (the run has 0.002)" in differing.stderr and "-T" not in differing.stderr.split("differ")[0]
+    alone = run_in_process(["train", "--resume", copy], tmp_path)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert "ckpt-00000010.pt at step 10/12" in alone.stdout and "T=128" in alone.stdout
+    assert [r["step"] for r in metric_rows(copy)] == list(range(1, 13))
+
+
+def test_an_out_holding_outputs_without_checkpoints_is_refused_unless_it_is_the_same_run(tmp_path):
+    job = ["train", "--steps", 1, "-T", 32, *FAST, "--sigma", 1, "--accountant", "rdp", "--save-every", 0,
+           "--out", tmp_path / "run"]
+    assert run_in_process(job, tmp_path).returncode == 0
+    summary = (tmp_path / "run" / "summary.json").read_bytes()
+    other = run_in_process([*job, "--lr", 0.01], tmp_path)
+    assert other.returncode == 2 and "already holds another run's outputs" in other.stderr
+    assert (tmp_path / "run" / "summary.json").read_bytes() == summary
+    again = run_in_process(job, tmp_path)  # the same run, which never wrote a checkpoint: it starts over
+    assert again.returncode == 0 and "starting it over" in again.stdout
+
+
+def test_an_interrupted_run_says_how_to_continue_it(tmp_path, monkeypatch):
+    from longshield_fx.cli import train_loop
+
+    real = train_loop._one_step
+
+    def interrupt_at_step_3(job, logical, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real(job, logical, step)
+
+    monkeypatch.setattr(train_loop, "_one_step", interrupt_at_step_3)
+    res = run_in_process(["train", "--steps", 4, "-T", 32, *FAST, "--sigma", 1, "--accountant", "rdp",
+                          "--save-every", 2, "--out", tmp_path / "run"], tmp_path)
+    assert res.returncode == 130
+    assert (f"interrupted after step 2; the newest checkpoint is ckpt-00000002.pt: continue with the same command, "
+            f"or longshield-fx train --resume {tmp_path / 'run'}") in res.stderr
 
 
 def test_atomic_save_never_leaves_a_partial_checkpoint(tmp_path, monkeypatch):

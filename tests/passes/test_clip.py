@@ -218,3 +218,61 @@ def test_clipped_contribution_of_an_8m_entry_parameter_stays_within_c():
     assert float(engine.last_norms[0]) > 1e6 * C  # clipping is active, by far
     assert norm <= C * (1 + 1e-6), norm / C - 1
     assert norm >= C * (1 - 1e-6)
+
+
+class TokenProducts(nn.Module):
+    """One Linear(16, 16) whose per-token output gradient is an input: sample b's gradient is
+    Σ_t v_bt x_btᵀ, so tokens can be made to cancel exactly. T=4 is ghost norm's range."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x, v):
+        return (self.fc(x) * v).sum((1, 2))
+
+
+def cancelling_samples(dtype):
+    """(scale, x, v) batches of 4 samples whose sample 0's tokens cancel: its per-token products
+    have size ~scale² while its per-sample gradient is 0 (or ~1 for the random pairs), and the
+    other three samples are ordinary."""
+    g = torch.Generator().manual_seed(0)
+    a, b, v = (torch.randn(16, generator=g) for _ in range(3))
+    top = 2 ** 100 if dtype != torch.float16 else 2 ** 6  # fp16's largest finite is 65504
+    for scale in [s for s in (2 ** 20, 2 ** 40, 2 ** 100) if s <= top] + [1e4, 1e5][: 2 if top > 2 ** 6 else 0]:
+        x = torch.randn(4, 4, 16, generator=g)
+        w = torch.randn(4, 4, 16, generator=g)
+        if scale >= 2 ** 20:  # exact cancellation: v (a + b - a - b)ᵀ · scale
+            x[0] = torch.stack([a, b, -a, -b]) * math.sqrt(scale)
+            w[0] = v * math.sqrt(scale)
+        else:  # random features of size `scale`, two tokens cancelling, two ordinary
+            x[0, :2] = torch.randn(16, generator=g) * scale
+            w[0, 0] = torch.randn(16, generator=g) * scale
+            w[0, 1] = -w[0, 0]
+        yield scale, x.to(dtype), w.to(dtype)
+    if dtype == torch.float16:
+        x, w = torch.randn(4, 4, 16, generator=g), torch.randn(4, 4, 16, generator=g)
+        x[0] = torch.stack([a, b, -a, -b]) * 200.0
+        w[0] = v * 200.0
+        yield 200.0 ** 2, x.half(), w.half()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+def test_cancelling_tokens_stay_within_c_under_ghost_norm_and_book_keeping(clipping, dtype):
+    """A sample whose token outer products cancel (per-sample gradient ~0, per-token products up
+    to 2**200) once left the book-keeping matmul's fp32 residue in the sum, unclipped (6.6e4·C at
+    2**40). Alone and among three ordinary samples (removed by its mask), its contribution,
+    measured in float64, stays within C·(1+1e-6)."""
+    C = 1.0
+    model = TokenProducts()
+    engine = lf.compile(model, config=lf.DPConfig(C, 0.0, clipping=clipping, compute_dtype=dtype))
+    for scale, x, w in cancelling_samples(dtype):
+        assert engine.lower(x, w).norm_methods["fc.weight"].startswith("ghost")
+        alone, _ = clipped_sum(model, (x, w), C, clipping, torch.tensor([1.0, 0, 0, 0]), engine)
+        assert flat_norm(alone) <= C * (1 + 1e-6), (scale, flat_norm(alone))
+        together, _ = clipped_sum(model, (x, w), C, clipping, torch.ones(4), engine)
+        without, _ = clipped_sum(model, (x, w), C, clipping, torch.tensor([0.0, 1, 1, 1]), engine)
+        difference = {n: together[n].double() - without[n].double() for n in together}
+        assert flat_norm(difference) <= C * (1 + 1e-6), (scale, flat_norm(difference))
+    assert engine.captures == 1

@@ -206,6 +206,9 @@ def dcp_save(out_dir: str) -> dict:
     lf.save_checkpoint(out["noise_path"], noisy, torch.optim.SGD(noisy_model.parameters(), lr=CP_LR))
     out["noise_local"] = local_shards(noisy_model, "grad")  # this shard's draws before the save
     out["noise_index"] = noisy.sharding.index
+    out["noise_key"] = noisy._noise.stream.key  # not in the checkpoint: for the resume's control
+    if dist.get_rank() == 0:
+        torch.save(out["noise_key"], out["noise_path"] + ".key")
     return out
 
 
@@ -214,8 +217,8 @@ def dcp_resume(path: str, noise_path: str) -> dict:
     state; take the second step (both replicas' batches, one replica now) once with a FRESH
     AdamW (the negative control: what a resume that lost the optimizer state would do), then,
     from the same loaded parameters, with the loaded one. Then the noisy run: load it and take
-    one noise-only step; and, as the control of that check, draw what a stream rewound to its
-    first nonce would give this shard."""
+    one noise-only step (its key must be fresh, not the saved run's); and, as the control of that
+    check, draw what the saved run's stream rewound to its first nonce would give this shard."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     model = case_model("llama")
     engine = lf.compile(model, mesh, config=lf.DPConfig(CP_CLIP, 0.0), fsdp=("cp",))
@@ -235,12 +238,12 @@ def dcp_resume(path: str, noise_path: str) -> dict:
     noisy_model = dcp_noisy_model()
     noisy = lf.compile(noisy_model, mesh, config=DCP_NOISE, fsdp=("cp",))
     lf.load_checkpoint(noise_path, noisy, torch.optim.SGD(noisy_model.parameters(), lr=CP_LR))
-    stream = noisy.state_dict()["noise"]["stream"]
-    out["noise_draws_loaded"] = stream["draws"]
+    saved_key = torch.load(noise_path + ".key")
+    out["noise_key_is_fresh"] = noisy._noise.stream.key != saved_key and noisy._noise.stream.draws == 0
     _noise_step(noisy, case_batches("llama", 1)[0])
     out["noise_local"] = local_shards(noisy_model, "grad")
     out["noise_index"] = noisy.sharding.index
-    rewound = NoiseGenerator("cpu", secure=DCP_NOISE.secure_rng, key=stream["key"], stream=noisy.sharding.index)
+    rewound = NoiseGenerator("cpu", secure=DCP_NOISE.secure_rng, key=saved_key, stream=noisy.sharding.index)
     sigma_c = DCP_NOISE.noise_multiplier * DCP_NOISE.max_grad_norm
     out["noise_rewound"] = rewound.normal(sum(t.numel() for t in out["noise_local"].values()), sigma_c)
     return out
