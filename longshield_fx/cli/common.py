@@ -165,6 +165,22 @@ def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def _attempt_store(timeout) -> dict:
+    """Under torchrun's shared rendezvous store: ``init_process_group`` arguments for a store of
+    this restart attempt's own. The store outlives a failed attempt (torchrun's agent hosts it),
+    and without a prefix a relaunched rank can read the dead attempt's addresses and fail in gloo's
+    connectFullMesh with "Connection refused" (pytorch/pytorch#135712, #167288)."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"longshield_fx/attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 def setup_distributed(cp: int, device: str, command: str):
     """(mesh or None, dp, dp_rank). Inits the default process group under torchrun."""
     import torch.distributed as dist
@@ -180,7 +196,8 @@ def setup_distributed(cp: int, device: str, command: str):
         raise CLIError(f"--cp {cp} does not divide the world size {world} (torchrun --nproc-per-node)")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
+    timeout = datetime.timedelta(minutes=10)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout, **_attempt_store(timeout))
     _RANK[0] = dist.get_rank()
     dp = world // cp
     if dp > 1:

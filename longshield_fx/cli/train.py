@@ -230,8 +230,10 @@ def train(args) -> int:
     return finish(job)
 
 
-# Flags that may change between the sessions of one run: where and how often it writes, what it logs.
-_PER_SESSION = {"out", "resume", "save_every", "keep_checkpoints", "eval_every", "log_private_stats", "device"}
+# Flags that may change between the sessions of one run: where and how often it writes, what it logs,
+# and the layout it runs on (a checkpoint resumes on any world size).
+_PER_SESSION = {"out", "resume", "save_every", "keep_checkpoints", "eval_every", "log_private_stats", "device",
+                "cp", "fsdp"}
 _OUTPUTS = ("metrics.jsonl", "summary.json", "privacy.json", "final_model.pt", "signature.json")
 
 

@@ -260,6 +260,6 @@ def finish(job: Job) -> int:
         + (f"; VOID: --insecure-seed {args.insecure_seed} made the noise and the sampling public"
            if args.insecure_seed is not None else ""))
     if job.rank0:
-        say(f"wrote {written}" + (f", checkpoints in {checkpoint_dir(job.run_dir)} (SECRET: noise and sampling keys)"
+        say(f"wrote {written}" + (f", checkpoints in {checkpoint_dir(job.run_dir)} (SECRET: the sampling key)"
                                   if args.save_every else ""))
     return 0

@@ -439,6 +439,58 @@ def test_torchrun_cp2_reports_the_same_epsilon_as_one_process(tmp_path, capsys):
     assert lb[first] == pytest.approx(la[first], rel=1e-5)
 
 
+# Rank 0 of torchrun's first attempt SIGKILLs itself half-way through writing the step-6
+# checkpoint: a rank dead mid-run, with a partial checkpoint left behind.
+RANK_DIES_WHILE_SAVING = """
+import io, os, signal, sys, torch
+from longshield_fx.cli import main
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "0":
+    real_save = torch.save
+    def save(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 6:
+            buf = io.BytesIO()
+            real_save(obj, buf, *args, **kwargs)
+            f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, f, *args, **kwargs)
+    torch.save = save
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_run_whose_rank_died_from_its_newest_complete_checkpoint(tmp_path):
+    """torchrun --max-restarts 1 relaunches the command as typed; it continues its own --out from
+    step 4 (the step-6 checkpoint was cut by the kill and is never loaded), accounts steps 5-8
+    once (ε is the uninterrupted 8 steps'), and ends where a resume by hand from step 4 ends.
+    --insecure-seed (tests only) makes the two continuations' fresh noise keys the same."""
+    from longshield_fx.runtime.accounting import epsilon_for
+
+    (tmp_path / "restarted.py").write_text(RANK_DIES_WHILE_SAVING)
+    args = ["train", "--steps", 8, "-T", 64, "--save-every", 2, "--keep-checkpoints", 10, *FAST, "--sigma", 1,
+            "--accountant", "rdp", "--insecure-seed", 4, "--cp", 2]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    restarted = run_cli(*args, "--out", "run", cwd=tmp_path,
+                        launcher=torchrun[:3] + ["--max-restarts", "1"] + torchrun[3:] + ["restarted.py"])
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "ckpt-00000004.pt at step 4/8" in restarted.stdout, restarted.stdout
+    rows = metric_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 9))  # the killed attempt's rows 5, 6 were redone once
+    q = json.loads((tmp_path / "run" / "summary.json").read_text())["sample_rate"]
+    assert rows[-1]["epsilon"] == pytest.approx(epsilon_for(1.0, q, 8, rows[-1]["delta"], "rdp"), rel=1e-9)
+    by_hand = tmp_path / "by_hand"
+    shutil.copytree(tmp_path / "run", by_hand)
+    for step in (6, 8):
+        (by_hand / "checkpoints" / f"ckpt-0000000{step}.pt").unlink()
+    (by_hand / "final_model.pt").unlink()
+    resumed = run_cli("train", "--resume", "by_hand", "--cp", 2, cwd=tmp_path, launcher=torchrun + ["-m", "longshield_fx"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final, again = load_state(tmp_path / "run" / "final_model.pt"), load_state(by_hand / "final_model.pt")
+    for name in final:
+        torch.testing.assert_close(again[name], final[name], rtol=0, atol=1e-6, msg=name)
+
+
 def test_removing_one_long_document_moves_the_clipped_sum_by_at_most_c():
     """The document is the unit: a document longer than many T-byte chunks is one row, so
     adding or removing it changes the summed clipped gradient by at most C."""
@@ -467,8 +519,10 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
     """--fsdp dp,cp on 4 ranks (dp=2 x cp=2, ZeRO-3) on the user's documents, evaluating a
     held-out split every step: the evaluation is the whole model's (the last one equals the
     written model's), and DCP checkpoints are written; with the last one removed (a run killed
-    after step 2), the run resumes on 2 ranks (cp=2, ZeRO-3 over both) and its step 3 starts
-    from the same model: the same losses as the uninterrupted run's step 3."""
+    after step 2), the run resumes on 2 ranks (dp=2, ZeRO-3 over dp) and its step 3 starts
+    from the same model: the same losses as the uninterrupted run's step 3. Steps 2 and 3 draw
+    5 and 6 units, 3 physical batches of 2, which the two dp groups split unevenly: a run whose
+    groups ran 2 and 1 of them hung in ZeRO-3's gathers (issue 35)."""
     import longshield_fx as lf
     from longshield_fx.cli.train_loop import evaluate
     from longshield_fx.documents import load_documents
@@ -478,12 +532,15 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
 
     data = write_folder(tmp_path / "data", documents(40, seed=5))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    args = ["train", "--steps", 3, "-T", 64, "--save-every", 1, *FAST, "--insecure-seed", 3, "--accountant", "rdp",
-            "--sigma", 0.5, "--cp", 2, "--fsdp", "dp,cp", "--data", data, "--max-rows", 2, "--eval-fraction", 0.25,
-            "--eval-every", 1, "--out", "run"]
-    four = run_cli(*args, cwd=tmp_path, launcher=torchrun + ["4", "-m", "longshield_fx"], timeout=600)
+    args = ["train", "--steps", 3, "-T", 64, "--save-every", 1, *FAST, "--expected-batch-size", 5,
+            "--physical-batch-size", 2, "--insecure-seed", 3, "--accountant", "rdp", "--sigma", 0.5, "--data", data,
+            "--max-rows", 2, "--eval-fraction", 0.25, "--eval-every", 1, "--log-private-stats"]
+    four = run_cli(*args, "--cp", 2, "--fsdp", "dp,cp", "--out", "run", cwd=tmp_path,
+                   launcher=torchrun + ["4", "-m", "longshield_fx"], timeout=600)
     assert four.returncode == 0, four.stderr[-3000:]
     assert "cp=2, dp=2" in four.stdout
+    sizes = [r["not_covered_by_dp"]["logical_batch_size"] for r in metric_rows(tmp_path / "run")]
+    assert [math.ceil(size / 2) % 2 for size in sizes][1:] == [1, 1], sizes  # odd numbers of physical batches
     checkpoints = tmp_path / "run" / "checkpoints"
     assert (checkpoints / "ckpt-00000003.dcp" / ".metadata").is_file()
     assert load_state(checkpoints / "ckpt-00000003.pt")["dcp"] == "ckpt-00000003.dcp"
@@ -502,10 +559,10 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
     assert evals[-1] == pytest.approx(written_model_eval(), rel=1e-6)
     (checkpoints / "ckpt-00000003.pt").unlink()
     shutil.rmtree(checkpoints / "ckpt-00000003.dcp")
-    two = run_cli(*args[:-2], "--resume", "run", cwd=tmp_path, launcher=torchrun + ["2", "-m", "longshield_fx"],
-                  timeout=600)
+    two = run_cli("train", "--resume", "run", "--fsdp", "dp", cwd=tmp_path,
+                  launcher=torchrun + ["2", "-m", "longshield_fx"], timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "resumed from" in two.stdout and "at step 2/3" in two.stdout
+    assert "resumed from" in two.stdout and "at step 2/3" in two.stdout and "cp=1, dp=2" in two.stdout
     resumed = metric_rows(tmp_path / "run")
     assert [r["epsilon"] for r in resumed] == [r["epsilon"] for r in uninterrupted]
     assert train_losses(resumed)[2] == pytest.approx(train_losses(uninterrupted)[2], rel=1e-5)
