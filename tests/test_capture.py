@@ -87,7 +87,7 @@ def test_a_buffer_reassigned_to_itself_in_forward_is_captured(persistent):
 
 
 def _longcat_experts(zero_experts: int):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
     cfg = transformers.LongcatFlashConfig(hidden_size=6, expert_ffn_hidden_size=5, n_routed_experts=3,
                                           zero_expert_num=zero_experts)
@@ -130,7 +130,7 @@ def test_longcat_flash_fixed_shape_experts_equal_the_eager_loop(zero_experts):
 def test_jetmoe_fixed_shape_experts_equal_the_sort_and_group():
     """The capture's stand-in for JetMoE's sort-and-group experts (MLP experts, and the attention
     experts' map / reduce): same outputs and gradients, an expert no token chose included."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from longshield_fx._transformers import fixed_shape_experts
     from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoA, JetMoeMoE
     cfg = transformers.JetMoeConfig(hidden_size=6, intermediate_size=5, num_local_experts=4, num_experts_per_tok=2,
@@ -167,7 +167,7 @@ def test_jetmoe_fixed_shape_experts_equal_the_sort_and_group():
 def test_xmod_language_adapters_without_moving_rows_equal_the_eager_masking():
     """The capture's stand-in for X-MOD's language adapters (rows gathered by a boolean mask over
     the batch, written back): same output and gradients, each row through its own language's."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from longshield_fx._transformers import fixed_shape_experts
     from transformers.models.xmod.modeling_xmod import XmodOutput
     cfg = transformers.XmodConfig(hidden_size=8, intermediate_size=12, languages=["en_XX", "de_DE", "fr_XX"],

@@ -30,10 +30,9 @@ DESCRIPTION = (
     "The privacy unit is the DOCUMENT: one stdlib file is one row (its first T bytes; the rest of a\n"
     "longer file is not used, and the truncation is reported), sampled and clipped as one sample, so ε\n"
     "is per document (add/remove one document). σ is calibrated before training so that ε after\n"
-    "--steps steps is <= --target-epsilon at δ = the largest power of ten <= min(1e-5, N^-1.1) (N =\n"
-    "number of documents), unless\n"
-    "--sigma is given. The DP noise and the sampling come from secret ChaCha20 streams keyed by the OS;\n"
-    "--seed seeds the model initialisation only.\n\n"
+    "--steps steps is <= --target-epsilon at δ = the largest power of ten <= min(1e-5, N^-1.1)\n"
+    "(N = number of documents), unless --sigma is given. The DP noise and the sampling come from\n"
+    "secret ChaCha20 streams keyed by the OS; --seed seeds the model initialisation only.\n\n"
     "Writes to --out: metrics.jsonl (one JSON line per step), loss_vs_epsilon.png, summary.json,\n"
     "final_model.pt (the trained model's state dict: covered by ε) and checkpoints/ckpt-<step>.pt.\n"
     "Training losses, timings and counts (non-finite samples; batch sizes and tokens only with\n"
@@ -289,7 +288,7 @@ def _given_flags(args) -> set[str]:
 def saved_flags(args) -> dict:
     """The run's flags, as a checkpoint keeps them for ``--resume DIR``."""
     skip = {"func", "command", "argv"} | _PER_SESSION
-    return {k: v for k, v in jsonable({k: v for k, v in vars(args).items() if k not in skip}).items()}
+    return jsonable({k: v for k, v in vars(args).items() if k not in skip})
 
 
 def _check_args(job: Job) -> None:

@@ -103,7 +103,7 @@ def test_sequence_classification_is_exact(kind):
 
 
 def test_lora_llama_trains_only_the_adapters_exactly():
-    peft = pytest.importorskip("peft", reason="optional: the minimal adapter below covers LoRA without it")
+    import peft
     lm = hf_zoo.build("llama").lm
     lora = peft.get_peft_model(lm, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     model = lf.CausalLMLoss(lora).eval()
