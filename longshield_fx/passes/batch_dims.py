@@ -244,7 +244,6 @@ _COUNT_WAY_OUT = ("if it is an MoE load-balancing loss, train without it (longsh
 _MIXING = {
     aten._native_batch_norm_legit.default: _BATCH_NORM,
     aten._native_batch_norm_legit_functional.default: _BATCH_NORM,
-    aten._native_batch_norm_legit_no_training.default: ("batch norm uses batch statistics", _BATCH_NORM[1]),
     aten.native_batch_norm.default: _BATCH_NORM,
     aten.histc.default: ("a histogram counts the entries of every sample together", _COUNT_WAY_OUT),
     aten.bincount.default: ("counts the entries of every sample together", _COUNT_WAY_OUT),

@@ -360,6 +360,25 @@ def _layer_norm(node, B):
     return (tag, tag, tag)
 
 
+@register_batch_rule(aten._native_batch_norm_legit_no_training.default, aligned=weights_only)
+def _batch_norm_eval(node, B):
+    """Batch norm in eval mode normalises each element with the running statistics: per channel
+    (dim 1), never over the batch; training-mode batch norm is refused (``batch_dims._MIXING``)."""
+    tag = batch_dim(node.args[0])
+    if tag.dim == 1:
+        raise Mixing("the batch is folded into batch norm's channel dimension")
+    return (tag, None, None)
+
+
+@register_batch_rule(aten.native_batch_norm_backward.default, aligned=weights_only)
+def _batch_norm_backward(node, B):
+    if node.args[7]:  # train=True: its statistics came from the batch (refused in the forward)
+        raise Mixing("batch norm normalises with statistics over the batch",
+                     "replace BatchNorm with LayerNorm or GroupNorm")
+    tag = batch_dim(node.args[0])
+    return (tag, None, None)  # weight and bias grads reduce over the batch
+
+
 @register_batch_rule(aten.native_layer_norm_backward.default, aligned=weights_only)
 def _layer_norm_backward(node, B):
     tag = batch_dim(node.args[1])

@@ -138,6 +138,28 @@ def _layer_norm(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     return _dense(rw, node, rw.per_sample_sum(piece, lead, list(val(node).shape)))
 
 
+@per_sample_rule((aten.native_batch_norm_backward.default, 1), (aten.native_batch_norm_backward.default, 2),
+                 name="batch_norm_eval")
+def _batch_norm_eval(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """Eval-mode batch norm (the batch rule refuses training mode): per channel (dim 1), weight
+    sums grad * (x - running_mean) / sqrt(running_var + eps), bias sums grad."""
+    grad_out, x, _, running_mean, running_var = node.args[0].args[:5]
+    eps = node.args[0].args[8]
+    others = [d for d in range(val(x).dim()) if d != 1]
+    if node.args[1] == 1:
+        channel = [1, -1] + [1] * (val(x).dim() - 2)
+        mean = rw.call(aten.view.default, running_mean, channel)
+        rstd = rw.call(aten.view.default, rw.call(aten.rsqrt.default, rw.call(aten.add.Scalar, running_var, eps)),
+                       channel)
+        x_hat = rw.call(aten.mul.Tensor, rw.call(aten.sub.Tensor, x, mean), rstd)
+        x_hat.meta["batch_dim"] = batch_dim(x)
+        piece = rw.call(aten.mul.Tensor, grad_out, x_hat)
+        piece.meta["batch_dim"] = batch_dim(x)
+    else:
+        piece = grad_out
+    return _dense(rw, node, rw.per_sample_sum(piece, others, list(val(node).shape)))
+
+
 @per_sample_rule(aten.embedding_dense_backward.default, name="embedding")
 def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     grad, indices, num_weights, padding_idx, scale_grad_by_freq = node.args

@@ -40,6 +40,33 @@ def test_batchnorm_is_rejected_naming_the_op_and_module():
     assert "batch_norm" in msg and "bn (BatchNorm1d)" in msg and "mixes samples" in msg
 
 
+class EvalBatchNorm(nn.Module):
+    """A layer and batch norm in eval mode (running statistics): per channel, never over the batch."""
+
+    def __init__(self, layer, bn):
+        super().__init__()
+        self.layer, self.bn = layer, bn
+        with torch.no_grad():
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.normal_()
+            bn.bias.normal_()
+
+    def forward(self, x):
+        return self.bn(self.layer(x)).pow(2).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: EvalBatchNorm(nn.Linear(4, 6), nn.BatchNorm1d(6)), (5, 4)),
+    (lambda: EvalBatchNorm(nn.Conv1d(4, 6, 3), nn.BatchNorm1d(6)), (3, 4, 7)),
+    (lambda: EvalBatchNorm(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3)), (2, 2, 5, 5)),
+])
+def test_batchnorm_in_eval_mode_uses_running_statistics_and_is_exact(make, shape):
+    torch.manual_seed(0)
+    model = make().eval()
+    assert_matches_vmap(model, (torch.randn(*shape),))
+
+
 def test_in_batch_pairs_loss_is_rejected():
     class Contrastive(nn.Module):
         def __init__(self):
