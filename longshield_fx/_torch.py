@@ -13,6 +13,7 @@ private API                                                        why
 ``torch._functorch.aot_autograd.aot_export_joint_with_descriptors``  the joint forward+backward graph
 ``torch._functorch._aot_autograd.descriptors``                       which graph input/output is what
 ``torch._dynamo.config.patch``, ``torch._guards.tracing``            static shapes; the tracing context
+``torch._dynamo.config`` ``allow_rnn``, ``torch._C._set_mkldnn_enabled``  nn.RNN/GRU/LSTM traced and decomposed
 ``torch._dynamo.variables.tensor.TensorVariable.var_getattr``        a buffer's ``persistent`` flag readable
                                                                    during capture (``_buffer_flags_readable``)
 ``torch._subclasses.fake_tensor.FakeTensorMode``                     fake models (planner, tests)
@@ -76,7 +77,12 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     import torch.fx.traceback as fx_traceback
 
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
+    # ``allow_rnn``: dynamo refuses nn.RNN/GRU/LSTM by default; traced, they are aten's RNN ops,
+    # which aot-autograd decomposes into per-step matmuls and pointwise ops (the CPU's oneDNN
+    # LSTM kernel, ``mkldnn_rnn_layer``, is switched off so the LSTM decomposes too).
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True,
+                                    allow_rnn=True), \
+            _without_onednn(), \
             fx_traceback.preserve_node_meta(), _buffer_flags_readable():
         try:
             dynamo_gm = dynamo_graph_capture_for_export(model)(*example_batch)
@@ -85,9 +91,22 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
     guards = DynamoGuards.build(dynamo_gm, model)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._guards.tracing(dynamo_gm.meta["tracing_context"]))
+        stack.enter_context(_without_onednn())
         joint = aot_export_joint_with_descriptors(stack, dynamo_gm, tuple(example_batch))
     joint.graph_module.meta[GUARDS] = guards
     return joint.graph_module, joint.fake_mode
+
+
+@contextlib.contextmanager
+def _without_onednn():
+    """oneDNN off while tracing (``torch.backends.mkldnn.flags`` would also set its TF32 flag,
+    which warns on every CPU build)."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,11 @@ TINY_IF_PRESENT = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2
                        n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, vocab_size_per_layer_input=VOCAB,
                        hidden_size_per_layer_input=8, decoder_attention_heads=4, encoder_attention_heads=4,
-                       rotary_dim=4, mamba_n_heads=4)
+                       rotary_dim=4, mamba_n_heads=4,
+                       # BLT's byte-level parts: hash embeddings, and the global transformer's width, which
+                       # is the local one times cross_attn_k
+                       encoder_hash_byte_group_vocab=64, hidden_size_global=32, cross_attn_k=1,
+                       encoder_cross_output_size=32)
 # Layer counts besides num_hidden_layers, where the default config has the field: the decoder
 # of an encoder-decoder (bart's 12 by default) gets the layer count; the dense layers before
 # the first MoE layer get one fewer (two layers: a dense one, then the MoE one; one: the MoE one).
@@ -117,6 +121,45 @@ def tiny_config(model_type: str, layers: int = 2):
         cfg.num_key_value_heads = cfg.num_attention_heads
     if isinstance(getattr(cfg, "layer_types", None), list) and _settable(cfg, "layer_types"):
         cfg.layer_types = cfg.layer_types[:layers]
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= VOCAB:
+            setattr(cfg, k, 0)
+    if getattr(cls, "sub_configs", None) and (_outline(cfg) or (None, 0))[1] > MAX_PARAMS:
+        for name in cls.sub_configs:  # a multimodal model's default text / vision / audio tower
+            if getattr(cfg, name, None) is not None:
+                setattr(cfg, name, _tiny_sub_config(getattr(cfg, name), layers))
+    return cfg
+
+
+# Layer counts of sub-configs (vision and audio towers, byte-level encoders), where present.
+SUB_LAYERS = ("num_hidden_layers", "num_layers", "depth", "encoder_layers", "num_encoder_layers") + DECODER_LAYERS
+
+
+def _present(config, field: str) -> bool:
+    """Whether ``config`` has a value for ``field`` (a per-layer field of a heterogeneous config,
+    gemma4's head_dim, refuses a global read: it is set per layer, not here)."""
+    try:
+        return getattr(config, field, None) is not None
+    except Exception:
+        return False
+
+
+def _tiny_sub_config(sub, layers: int):
+    """A sub-config (and its own sub-configs) with the tiny sizes wherever it has those fields."""
+    cls = type(sub)
+    present = dict(TINY, **TINY_IF_PRESENT, **{k: layers for k in SUB_LAYERS}, **{k: layers - 1 for k in DENSE_FIRST})
+    fields = sub.to_dict()
+    for k in ("layer_types", "per_layer_config", "no_rope_layers", "moe_layers"):  # per layer: derived from the count
+        fields.pop(k, None)
+    fields.update({k: v for k, v in present.items() if _present(sub, k) and _settable(sub, k)})
+    try:
+        cfg = cls(**fields)
+    except Exception:
+        fields.pop("head_dim", None)
+        cfg = cls(**fields)
+    for name in getattr(cls, "sub_configs", {}) or {}:
+        if getattr(cfg, name, None) is not None:
+            setattr(cfg, name, _tiny_sub_config(getattr(cfg, name), layers))
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= VOCAB:
             setattr(cfg, k, 0)

@@ -88,10 +88,23 @@ def batch_dim(node) -> BatchDim | None:
     return node.meta.get("batch_dim") if isinstance(node, fx.Node) else None
 
 
+class AmbiguousBatchOfOne(UnsupportedModelError):
+    """Refused at a batch of one, where a size-1 dim could hold the batch as well as the one
+    the rules guessed (``(T, 1, H) -> (T*1, H)`` or ``(T, 1*H)``): the engine asks the graph
+    of two samples instead, whose verdict and tags do not depend on such a guess."""
+
+
 def batch_dims(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Tag sample dimensions on every node (see the module docstring)."""
-    B = ctx.batch_size
-    kinds = ctx.captured.inputs
+    try:
+        return _tag_graph(gm, ctx.captured.inputs, ctx.batch_size)
+    except UnsupportedModelError as e:
+        if ctx.batch_size == 1:
+            raise AmbiguousBatchOfOne(str(e)) from e
+        raise
+
+
+def _tag_graph(gm: fx.GraphModule, kinds, B: int) -> fx.GraphModule:
     for ph, (kind, _) in zip(gm.graph.find_nodes(op="placeholder"), kinds):
         tag = None
         if kind in ("input", "cotangent"):
@@ -235,16 +248,21 @@ def register_batch_rule(*ops, aligned=None, outer=False):
 
 
 _BATCH_NORM = ("batch norm normalises with statistics over the batch",
-               "replace BatchNorm with LayerNorm or GroupNorm")
+               "replace BatchNorm with LayerNorm or GroupNorm, or keep it in eval mode (running statistics: "
+               "accepted)")
+_RUNNING_STATISTICS = ("norm in training mode with running statistics updates them from every sample of the "
+                       "batch (BatchNorm also normalises with the batch's statistics)",
+                       "replace BatchNorm with LayerNorm or GroupNorm, or keep it in eval mode (accepted); "
+                       "InstanceNorm with track_running_stats=False is accepted")
 # A count over the whole batch is, in a language model, almost always an MoE router's
 # load-balancing loss (tokens routed to each expert across the batch).
 _COUNT_WAY_OUT = ("if it is an MoE load-balancing loss, train without it (longshield_fx.CausalLMLoss "
                   "does; the router still learns through the routing weights) or compute it from each "
                   "sample's own tokens and add it to that sample's loss")
 _MIXING = {
-    aten._native_batch_norm_legit.default: _BATCH_NORM,
-    aten._native_batch_norm_legit_functional.default: _BATCH_NORM,
-    aten.native_batch_norm.default: _BATCH_NORM,
+    aten._native_batch_norm_legit.default: _RUNNING_STATISTICS,
+    aten._native_batch_norm_legit_functional.default: _RUNNING_STATISTICS,
+    aten.native_batch_norm.default: _RUNNING_STATISTICS,
     aten.histc.default: ("a histogram counts the entries of every sample together", _COUNT_WAY_OUT),
     aten.bincount.default: ("counts the entries of every sample together", _COUNT_WAY_OUT),
 }

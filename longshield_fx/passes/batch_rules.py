@@ -16,7 +16,7 @@ import torch.fx as fx
 from ..errors import UnsupportedModelError
 from ._graph import (ATTENTION_BATCHED_OUTPUTS, CONSTANT_LIKE, REDUCTIONS, arg_of, module_of, norm_dim, permutation,
                      reduced_dims, val)
-from .batch_dims import (BatchDim, Mixing, RowPosition, batch_dim, broadcast_aligned, pointwise_rule,
+from .batch_dims import (_BATCH_NORM, BatchDim, Mixing, RowPosition, batch_dim, broadcast_aligned, pointwise_rule,
                          register_batch_rule, single_tag, untagged, weights_only)
 
 aten = torch.ops.aten
@@ -37,6 +37,11 @@ def _view(node, B):
     tag = batch_dim(node.args[0])
     in_shape, out_shape = list(val(node.args[0]).shape), list(val(node).shape)
     stride = tag.inner * math.prod(in_shape[tag.dim + 1:])
+    if stride == 0:  # no entries: the first dim whose rows split into B samples' holds them (vacuously)
+        for d, size in enumerate(out_shape):
+            if size and size % B == 0:
+                return BatchDim(d, size // B)
+        raise Mixing(f"the view {in_shape} -> {out_shape} of an empty tensor keeps no dimension of the batch's size")
     found = []
     for d, size in enumerate(out_shape):
         step = math.prod(out_shape[d + 1:])
@@ -44,8 +49,9 @@ def _view(node, B):
             found.append(BatchDim(d, stride // step, size * step // (stride * B)))
     if not found:
         raise Mixing(f"the view {in_shape} -> {out_shape} splits the batch index over two dimensions")
-    # For B > 1 exactly one dim qualifies. For B == 1 every entry is sample 0's and any is right:
-    # prefer untiled and leftmost, keeping the batch leading as rules such as attention expect.
+    # For B > 1 exactly one dim qualifies. For B == 1 several may, all right for the one sample;
+    # prefer untiled and leftmost, keeping the batch leading as rules such as attention expect
+    # (where that guess leads to a refusal, ``batch_dims`` asks the B = 2 capture).
     return min(found, key=lambda t: (t.outer != 1, t.dim))
 
 
@@ -133,7 +139,13 @@ def _split(node, B):
     return tuple(tag for _ in outs)
 
 
-@register_batch_rule(aten.cat.default)
+def _cat_aligned(node, tag, B):
+    """Every input has the output's rank; each meets the batch in the batch dimension only."""
+    return [(t, tag.dim, tag.inner) for t in node.args[0]
+            if batch_dim(t) is None and val(t) is not None and val(t).dim() == val(node).dim()]
+
+
+@register_batch_rule(aten.cat.default, aligned=_cat_aligned)
 def _cat(node, B):
     tensors = node.args[0]
     rank = val(node).dim()
@@ -370,13 +382,59 @@ def _batch_norm_eval(node, B):
     return (tag, None, None)
 
 
+@register_batch_rule(aten.native_group_norm.default, aligned=weights_only)
+def _group_norm(node, B):
+    """Group norm normalises each row (dim 0) over its own channels and positions."""
+    tag = batch_dim(node.args[0])
+    if tag.dim != 0:
+        raise Mixing("group norm normalises over the dimension that holds the batch")
+    return (tag, tag, tag)  # output, and the (N, groups) mean and rstd
+
+
+@register_batch_rule(aten.native_group_norm_backward.default, aligned=weights_only)
+def _group_norm_backward(node, B):
+    return (batch_dim(node.args[0]), None, None)  # weight and bias grads reduce over the batch
+
+
+def _own_statistics(node, B) -> BatchDim | None:
+    """For batch norm with statistics from its input (training mode): the tag of its per-channel
+    values (the (C,) statistics, weight and bias gradients) when they are per sample, else None.
+    They are when the channel dim (1) holds the batch: ``instance_norm`` folds (B, C) into B*C
+    channels."""
+    x = node.args[0] if node.target != aten.native_batch_norm_backward.default else node.args[1]
+    tag = batch_dim(x)
+    if tag is not None and tag.dim == 1 and tag.outer == 1:
+        return BatchDim(0, tag.inner)
+    return None
+
+
+def _own_statistics_aligned(node, tag, B):
+    """The weight and bias (B*C channels: ``instance_norm`` repeats them per sample) meet the batch
+    along their only dim; each sample must see the same entries."""
+    channels = _own_statistics(node, B)
+    weights = node.args[1:3] if node.target != aten.native_batch_norm_backward.default else node.args[2:3]
+    return [(w, 0, channels.inner) for w in weights if isinstance(w, fx.Node) and batch_dim(w) is None]
+
+
+@register_batch_rule(aten._native_batch_norm_legit.no_stats, aligned=_own_statistics_aligned)
+def _batch_norm_own_statistics(node, B):
+    """Training-mode batch norm without running statistics (InstanceNorm, and BatchNorm with
+    ``track_running_stats=False``): each channel normalised over the other dims."""
+    channels = _own_statistics(node, B)
+    if channels is None:
+        raise Mixing(*_BATCH_NORM)
+    return (batch_dim(node.args[0]), channels, channels)  # output, per-channel mean and invstd
+
+
 @register_batch_rule(aten.native_batch_norm_backward.default, aligned=weights_only)
 def _batch_norm_backward(node, B):
-    if node.args[7]:  # train=True: its statistics came from the batch (refused in the forward)
-        raise Mixing("batch norm normalises with statistics over the batch",
-                     "replace BatchNorm with LayerNorm or GroupNorm")
-    tag = batch_dim(node.args[0])
-    return (tag, None, None)  # weight and bias grads reduce over the batch
+    grad_input = batch_dim(node.args[0]) if node.meta["val"][0] is not None else None
+    if not node.args[7]:  # eval mode: running statistics; weight and bias grads reduce over the batch
+        return (grad_input, None, None)
+    channels = _own_statistics(node, B)
+    if channels is None:  # statistics over the batch (refused in the forward)
+        raise Mixing(*_BATCH_NORM)
+    return (grad_input, channels, channels)  # per channel, so per sample: no reduction yet
 
 
 @register_batch_rule(aten.native_layer_norm_backward.default, aligned=weights_only)

@@ -201,6 +201,9 @@ def _index_aligned(node, tag, B):
 
 
 def _index_put_aligned(node, tag, B):
+    x = node.args[0]
+    if batch_dim(x) is None and _masked_fill(*node.args[:3]) is not None:
+        return [(x, tag.dim, tag.inner)]  # what the mask keeps of x must be the same for every sample
     values = batch_dim(node.args[2])
     if values is None:
         return []
@@ -212,12 +215,31 @@ def _index(node, B):
     return _index_tag(node, B)
 
 
+def _masked_fill(x, indices, values):
+    """``x[mask] = value`` with one boolean mask over x's leading dims and one value for every
+    masked entry (Gemma3 zeroing its image-token ids): ``where(mask, value, x)``, elementwise, so
+    it moves nothing; its output holds the samples where x or the mask does. None: another kind."""
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node) or not isinstance(values, fx.Node):
+        return None
+    mask = indices[0]
+    if val(mask).dtype != torch.bool or tuple(val(mask).shape) != tuple(val(x).shape[:val(mask).dim()]) \
+            or val(values).numel() != 1 or batch_dim(values) is not None:
+        return None
+    tags = {t for t in (batch_dim(x), batch_dim(mask)) if t is not None}
+    if len(tags) > 1:
+        raise Mixing(f"its mask and the tensor it writes hold samples in different dimensions {sorted(tags, key=str)}")
+    return tags.pop()
+
+
 @register_batch_rule(aten.index_put.default, aten._index_put_impl.default, aligned=_index_put_aligned)
 def _index_put(node, B):
     """``index``'s backward: ``values`` written (or added) at ``indices`` into ``x``. Into a tensor
     without the batch dimension it sums every sample's rows (a weight gradient, which the
     per_sample pass rewrites); otherwise the batch dim maps back the way ``index`` mapped it."""
     x, indices, values = node.args[:3]
+    masked = _masked_fill(x, indices, values)
+    if masked is not None:
+        return masked
     layout = _Layout(val(node).dim(), indices)
     vtag = batch_dim(values)
     if batch_dim(x) is not None:
@@ -241,3 +263,50 @@ def _index_put(node, B):
         if _is_own_arange(index, B) and layout.index_dim(index, 0) == vtag.dim:
             return BatchDim(d, 1)
     raise Mixing("sums every sample's rows into one tensor")
+
+
+def _bags_are_samples(offsets, inner: int, B: int, include_last: bool) -> bool:
+    """``offsets`` is ``arange(0, B*inner, inner)`` (nn.EmbeddingBag on a (B, inner) input): bag i
+    is sample i's ``inner`` rows, nothing else."""
+    if not (isinstance(offsets, fx.Node) and offsets.target == aten.arange.start_step):
+        return False
+    start, end, step = offsets.args[:3]
+    return start == 0 and step == inner and val(offsets).shape[0] == B + include_last and end <= (B + 1) * inner
+
+
+def _embedding_bag_aligned(node, tag, B):
+    """Untagged per-sample weights (B*inner rows, one per index) meet the batch along dim 0."""
+    psw = node.args[6] if len(node.args) > 6 else None
+    inner = batch_dim(node.args[1]).inner
+    return [(psw, 0, inner)] if isinstance(psw, fx.Node) and batch_dim(psw) is None else []
+
+
+@register_batch_rule(aten._embedding_bag.default, aten._embedding_bag_forward_only.default,
+                     aligned=_embedding_bag_aligned)
+def _embedding_bag(node, B):
+    """Bags of rows of a shared table: per sample when each bag is one sample's indices (a (B, n)
+    input; ``offsets`` checked to be ``arange(0, B*n, n)``). Outputs: the (B, D) bags, the
+    per-index bag ids, the bag sizes, and (max mode) the (B, D) argmax rows."""
+    weight, indices, offsets = node.args[:3]
+    if batch_dim(weight) is not None:
+        raise Mixing("looks up rows of a per-sample table")
+    tag = batch_dim(indices)
+    include_last = bool(node.args[7]) if len(node.args) > 7 else False
+    if tag is None or tag.dim != 0 or tag.outer != 1 or batch_dim(offsets) is not None \
+            or not _bags_are_samples(offsets, tag.inner, B, include_last):
+        raise Mixing("its bags (offsets) do not follow the samples' rows; give nn.EmbeddingBag a (B, n) "
+                     "input, one bag per sample")
+    out = []
+    for i, v in enumerate(node.meta["val"]):
+        if i == 1 and v.dim() == 1 and v.shape[0] == B * tag.inner:
+            out.append(tag)  # the bag of each index
+        elif v.dim() >= 1 and v.shape[0] == B and v.numel():
+            out.append(BatchDim(0, 1))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+@register_batch_rule(aten._embedding_bag_backward.default, aten._embedding_bag_dense_backward.default)
+def _embedding_bag_backward(node, B):
+    raise Mixing("sums gradient rows of all samples into one table")

@@ -160,6 +160,28 @@ def _batch_norm_eval(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     return _dense(rw, node, rw.per_sample_sum(piece, others, list(val(node).shape)))
 
 
+@per_sample_rule((aten.native_group_norm_backward.default, 1), (aten.native_group_norm_backward.default, 2),
+                 name="group_norm")
+def _group_norm(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """Per channel (dim 1): weight sums grad * x_hat, x_hat normalised by its row's group mean and
+    rstd (N, groups); bias sums grad."""
+    grad_out, x, mean, rstd = node.args[0].args[:4]
+    others = [d for d in range(val(x).dim()) if d != 1]
+    if node.args[1] == 1:
+        N, groups = val(mean).shape
+        grouped = rw.call(aten.view.default, x, [N, groups, -1])
+        grouped.meta["batch_dim"] = batch_dim(x)
+        centred = rw.call(aten.sub.Tensor, grouped, rw.call(aten.unsqueeze.default, mean, 2))
+        x_hat = rw.call(aten.mul.Tensor, centred, rw.call(aten.unsqueeze.default, rstd, 2))
+        x_hat = rw.call(aten.view.default, x_hat, list(val(x).shape))
+        x_hat.meta["batch_dim"] = batch_dim(x)
+        piece = rw.call(aten.mul.Tensor, grad_out, x_hat)
+        piece.meta["batch_dim"] = batch_dim(x)
+    else:
+        piece = grad_out
+    return _dense(rw, node, rw.per_sample_sum(piece, others, list(val(node).shape)))
+
+
 @per_sample_rule(aten.embedding_dense_backward.default, name="embedding")
 def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     grad, indices, num_weights, padding_idx, scale_grad_by_freq = node.args
@@ -339,3 +361,41 @@ def _expand(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     lead = [rw.B] + [1] * (val(node).dim() - val(node.args[0]).dim())
     x = rw.view(x, lead + list(val(node.args[0]).shape))
     return _dense(rw, node, rw.call(aten.expand.default, x, [rw.B, *val(node).shape]))
+
+
+@per_sample_rule(aten._embedding_bag_backward.default, aten._embedding_bag_dense_backward.default,
+                 name="embedding_bag")
+def _embedding_bag(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """Sample b's bag is its n indices (``_embedding_bag``'s batch rule checked the offsets): sum
+    mode adds ``w_bj * grad_b`` to row ``ids_bj``, mean mode ``grad_b / bag_size_b``, max mode
+    ``grad_b[d]`` to entry (argmax_bd, d). Sparse rows, as for ``embedding``."""
+    sparse = node.target == aten._embedding_bag_backward.default
+    grad, indices = node.args[:2]
+    maximum_indices = node.args[5] if sparse else node.args[4]
+    bag_size = node.args[4] if sparse else node.args[3]
+    rest = node.args[6:] if sparse else node.args[5:]
+    num_weights, scale_grad_by_freq, mode = rest[:3]
+    psw = rest[4] if sparse else rest[3]
+    padding_idx = (rest[5] if sparse else rest[4]) if len(rest) > (5 if sparse else 4) else -1
+    if scale_grad_by_freq:
+        raise UnsupportedModelError(
+            f"parameter {rw.param!r}: embedding bag with scale_grad_by_freq=True scales by in-batch counts, "
+            "which mixes samples. Way out: scale_grad_by_freq=False.")
+    B, D = rw.B, val(node).shape[1]
+    g, _ = rw.unfold(grad)  # (B, D)
+    if mode == 2:  # max: each (b, d) goes to one row
+        ids, _ = rw.unfold(maximum_indices)
+        values = rw.call(aten.diag_embed.default, g)  # values[b, d, :] = e_d * grad[b, d]
+        return PerSampleGrad(tuple(val(node).shape), None, ((rw.rows(ids, [B, D]), values),))
+    n = val(indices).shape[0] // B
+    ids = rw.call(aten.view.default, indices, [B, n])
+    values = rw.call(aten.expand.default, rw.call(aten.unsqueeze.default, g, 1), [B, n, D])
+    if mode == 1:
+        size = rw.call(aten.clamp_min.default, rw.call(aten.view.default, bag_size, [B, 1, 1]), 1)
+        values = rw.call(aten.div.Tensor, values, size)
+    if isinstance(psw, fx.Node):
+        values = rw.call(aten.mul.Tensor, values, rw.call(aten.view.default, psw, [B, n, 1]))
+    if padding_idx is not None and padding_idx >= 0:
+        keep = rw.call(aten.logical_not.default, rw.call(aten.eq.Scalar, ids, padding_idx))
+        values = rw.call(aten.mul.Tensor, values, rw.call(aten.unsqueeze.default, keep, 2))
+    return PerSampleGrad(tuple(val(node).shape), None, ((rw.rows(ids, [B, n]), rw.rows(values, [B, n, D])),))

@@ -216,6 +216,26 @@ def _slice_variation(node):
     return out
 
 
+@_variation_rule(operator.getitem)
+def _piece_variation(node):
+    """A piece of ``split``/``chunk`` is a slice along the split dim, one of ``unbind`` a select;
+    the other dims keep the input's variation. Other multi-output ops: unknown structure."""
+    parent = node.args[0]
+    src = parent.args[0] if parent.op == "call_function" else None
+    if parent.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        dim = norm_dim(parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0), val(src).dim())
+        out, n = dict(varies(src)), val(node).shape[dim]
+        if dim in out:
+            out[dim] = Variation(n, out[dim].origin)
+            if n == 1:
+                del out[dim]
+        return out
+    if parent.target == aten.unbind.int:
+        dim = norm_dim(parent.args[1] if len(parent.args) > 1 else 0, val(src).dim())
+        return {d - (d > dim): v for d, v in varies(src).items() if d != dim}
+    return _everywhere(node)
+
+
 @_variation_rule(aten.constant_pad_nd.default)
 def _pad_variation(node):
     """A padded dim differs between the pad and the content (SDPA pads the mask of CUDA's

@@ -21,6 +21,7 @@ from ..data import LogicalBatch
 from ..errors import UnsupportedModelError
 from ..passes import Lowered, PassContext, format_log, lower, pipeline
 from ..passes._graph import val
+from ..passes.batch_dims import AmbiguousBatchOfOne
 from .accounting import PrivacyAccountant
 from .noise import NoiseGenerator, broadcast_key, key_from_insecure_seed
 from .fsdp import Sharding
@@ -86,6 +87,9 @@ class Engine:
         self._graph_captures: dict[str, int] = {}
         self._pristine = None  # (model fingerprint, an unrewritten copy of the last capture)
         self._shapes = None
+        # A batch of one runs as two rows, the second a masked copy of the first, when the graph
+        # of one sample leaves its batch dimension ambiguous (``passes.batch_dims.AmbiguousBatchOfOne``).
+        self._pad_one = False
         self._accum: dict[str, torch.Tensor] | None = None
         self._accumulated = 0  # real samples since the last finalize (this rank)
         self._nonfinite_step = 0
@@ -125,10 +129,24 @@ class Engine:
         if graph == "train" and self.config is None:
             raise ValueError("engine: training needs a DP config: longshield_fx.compile(model, config=DPConfig(...))")
         self._check_shapes(example_batch)
-        lowered = self._cached(graph, self.parallel.shard(example_batch))
+        batch = self._padded(example_batch)
+        lowered = self._cached(graph, self.parallel.shard(batch))
         if lowered is None:
-            lowered = self._lowered[graph] = self._lower(graph, example_batch)
+            try:
+                lowered = self._lower(graph, batch)
+            except AmbiguousBatchOfOne:
+                self._pad_one = True  # the two-sample graph's verdict (and its refusal, if any)
+                lowered = self._lower(graph, self._padded(example_batch))
+            self._lowered[graph] = lowered
         return lowered
+
+    def _padded(self, batch: tuple, mask: torch.Tensor | None = None):
+        """``batch`` (and ``mask``) as the graph runs them: a batch of one as two rows, the second a
+        copy of the first, masked out, where the graph is the two-sample one (``_pad_one``)."""
+        if self._pad_one:
+            batch = tuple(torch.cat([t, t]) for t in batch)
+            mask = None if mask is None else torch.cat([mask, torch.zeros_like(mask)])
+        return batch if mask is None else (batch, mask)
 
     def _cached(self, graph: str, sharded_batch) -> Lowered | None:
         """``graph``'s lowering if the model is still what it was captured from, else None
@@ -263,6 +281,9 @@ class Engine:
         """
         self._check_shapes(batch)
         B = batch[0].shape[0]
+        if B == 0:
+            raise ValueError("engine.accumulate: an empty physical batch (0 rows); physical batches have a fixed "
+                             "size and an empty Poisson draw is a batch of masked rows (LogicalBatch.physical)")
         if mask is None:
             mask = torch.ones(B)
         mask = torch.as_tensor(mask)
@@ -270,8 +291,9 @@ class Engine:
             raise ValueError(f"engine.accumulate: mask must have shape ({B},), got {tuple(mask.shape)}")
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("engine.accumulate: mask must hold only 0 (padding) and 1 (real sample)")
+        lowered = self._cached("train", self.parallel.shard(self._padded(batch))) or self.lower(*batch)
+        batch, mask = self._padded(batch, mask)
         sharded = self.parallel.shard(batch)
-        lowered = self._cached("train", sharded) or self.lower(*batch)  # shapes checked above
         captured, gm = lowered.captured, lowered.gm
         loss_val = val(captured.cotangent_placeholder())
         cotangent = mask.to(device=batch[0].device, dtype=loss_val.dtype)
@@ -279,6 +301,7 @@ class Engine:
         with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             loss_sum, norms, *sums = gm(*args)
             loss_sum = self.parallel.sum_over_sp(loss_sum)
+        norms = norms[:B]  # a padded copy is no sample
         nonfinite = int((~torch.isfinite(norms)).sum())
         self.nonfinite_samples += nonfinite
         self._nonfinite_step += nonfinite
@@ -352,15 +375,19 @@ class Engine:
     # --- inspection -----------------------------------------------------------------------
     def per_sample_grads(self, *batch) -> dict[str, torch.Tensor]:
         """name -> per-sample gradient (B, *param.shape), full and unsharded (for tests)."""
+        B = batch[0].shape[0] if batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() else None
+        if B == 0:  # no sample, no gradient: nothing to capture
+            return {n: torch.zeros(0, *p.shape, dtype=p.dtype, device=batch[0].device)
+                    for n, p in self.model.named_parameters() if p.requires_grad}
         lowered = self.lower(*batch, graph="per_sample")
         captured, gm = lowered.captured, lowered.gm
-        B = batch[0].shape[0]
-        cotangent = torch.ones(B, dtype=val(captured.cotangent_placeholder()).dtype, device=batch[0].device)
+        batch, cotangent = self._padded(batch, torch.ones(B, dtype=val(captured.cotangent_placeholder()).dtype,
+                                                          device=batch[0].device))
         args = self._args(captured, self.parallel.shard(batch), cotangent)
         with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             _, *grads = gm(*args)
             # Each cp rank holds the partial gradient of its tokens; the full one is their sum.
-            grads = [self.parallel.sum_over_sp(g) for g in grads]
+            grads = [self.parallel.sum_over_sp(g)[:B] for g in grads]
         return dict(zip(captured.param_names, grads))
 
     # --- checkpoints ----------------------------------------------------------------------

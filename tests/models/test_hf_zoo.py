@@ -23,7 +23,12 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 REAL_MIXING: dict[str, str] = {}
 # Refusals that are gaps of ours, each with the message it must keep until fixed (the test
 # then asks for the entry to go): not sample mixing, but not exact either.
-KNOWN_GAPS: dict[str, str] = {}
+KNOWN_GAPS: dict[str, str] = {
+    # BLT's entropy patcher builds torch.distributions.Categorical, which dynamo's export capture does
+    # not trace (torch.compile without export does); its patch boundaries depend on the data anyway,
+    # so each batch would be another graph.
+    "blt": "Attempted to call function marked as skipped",
+}
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,28 @@ def test_batchnorm_in_eval_mode_uses_running_statistics_and_is_exact(make, shape
     assert_matches_vmap(model, (torch.randn(*shape),))
 
 
+class Normed(nn.Module):
+    def __init__(self, layer, norm):
+        super().__init__()
+        self.layer, self.norm = layer, norm
+        with torch.no_grad():
+            norm.weight.normal_()
+            norm.bias.normal_()
+
+    def forward(self, x):
+        return self.norm(self.layer(x)).pow(2).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("B", [1, 2, 3, 4])
+def test_group_norm_is_exact_at_every_batch_size_even_with_as_many_channels(B):
+    """GroupNorm(1, C) with C = B once read as a weight varying along the batch; its backward had no rule."""
+    torch.manual_seed(B)
+    for model, shape in [(Normed(nn.Conv2d(2, B, 3), nn.GroupNorm(1, B)), (B, 2, 5, 5)),
+                         (Normed(nn.Conv1d(4, 6, 3), nn.GroupNorm(3, 6)), (B, 4, 7)),
+                         (Normed(nn.Linear(5, 12), nn.GroupNorm(2, 12)), (B, 5))]:
+        assert_matches_vmap(model, (torch.randn(*shape),))
+
+
 def test_in_batch_pairs_loss_is_rejected():
     class Contrastive(nn.Module):
         def __init__(self):
