@@ -331,11 +331,17 @@ class _Unit:
 
 
 def load_documents(path, encode: Callable[[str], Sequence[int]], seq_len: int, max_rows: int,
-                   pad_id: int, unit_key: str | None = "id") -> Documents:
+                   pad_id: int | None, unit_key: str | None = "id") -> Documents:
     """Load ``path`` (a directory, a .jsonl or a .txt file: see the module docstring) as
     :class:`Documents` of shape (N, R, T = seq_len), R = min(max_rows, most rows of any unit).
-    ``encode(text) -> list[int]`` is the tokenizer; ``unit_key``: the .jsonl field naming the
-    unit (None: each line its own unit). Raises :class:`DataError` on user errors."""
+    ``encode(text) -> list[int]`` is the tokenizer; ``pad_id``: the id in padding slots, which
+    are labelled -100 and come after every real token of their row, so any id does (None, as
+    ``tok.pad_token_id`` is for Llama's and GPT-2's tokenizers: 0); ``unit_key``: the .jsonl
+    field naming the unit (None: each line its own unit). Raises :class:`DataError` on user errors."""
+    if pad_id is None:
+        pad_id = 0
+    if not isinstance(pad_id, int) or isinstance(pad_id, bool) or pad_id < 0:
+        raise DataError(f"pad_id must be a token id (an int >= 0) or None, got {pad_id!r}")
     if seq_len < 2:
         raise DataError(f"the sequence length must be >= 2 (a next-token loss needs two tokens), got {seq_len}")
     if max_rows < 1:

@@ -89,6 +89,15 @@ def test_pad_id_is_not_the_token_mask(tmp_path):
     assert docs.num_tokens == 3
 
 
+def test_a_tokenizer_without_a_pad_token_pads_with_0_and_a_bad_pad_id_is_named(tmp_path):
+    """Llama's and GPT-2's tokenizers have ``pad_token_id = None``: what the README's recipe passes."""
+    (tmp_path / "a.txt").write_bytes(b"abc")
+    none = load_documents(tmp_path, enc, seq_len=T, max_rows=1, pad_id=None)
+    assert none.ids[0, 0].tolist() == [97, 98, 99, 0, 0, 0, 0, 0] and none.labels[0, 0, 3:].eq(-100).all()
+    with pytest.raises(DataError, match="pad_id must be a token id"):
+        load_documents(tmp_path, enc, seq_len=T, max_rows=1, pad_id="<pad>")
+
+
 def test_deterministic(tree):
     a, b = load(tree), load(tree)
     assert torch.equal(a.ids, b.ids) and torch.equal(a.labels, b.labels) and a.units == b.units

@@ -387,7 +387,10 @@ def _decide_sigma(job: Job) -> dict | None:
     elif args.sigma is not None:
         sigma = args.sigma
     else:
-        sigma = lf.calibrate_noise(args.target_epsilon, job.delta, job.q, args.steps, method=args.accountant)
+        try:
+            sigma = lf.calibrate_noise(args.target_epsilon, job.delta, job.q, args.steps, method=args.accountant)
+        except ValueError as e:  # an unreachable target, a vacuous δ: the flags, not the program
+            raise CLIError(f"--target-epsilon {args.target_epsilon:g} with --delta {job.delta:g}: {e}") from None
     job.sigma, job.signature = sigma, make_signature(job, sigma)
     if job.restart_if_same:
         before = _read_signature(job.run_dir)
@@ -524,6 +527,11 @@ def _announce(job: Job) -> None:
                          "one whole document with probability δ would satisfy this guarantee")
     say(f"privacy: σ = {job.sigma:.4g} ({how}), δ = {job.delta:.3g} ({why}), C = {args.max_grad_norm:g}, "
         f"{args.clipping} clipping, {args.accountant.upper()} accountant, ε {job.unit}")
+    E = job.batches.expected_batch_size
+    if job.sigma >= E:
+        say(f"WARNING: σ = {job.sigma:.4g} >= E[B] = {E:g}: the noise on each coordinate of the averaged gradient "
+            f"(σC/E[B]) is at least the bound C on the whole clipped gradient's norm, so the model will learn little "
+            "or nothing; a larger --target-epsilon or --expected-batch-size, or fewer --steps, lowers it")
     if args.insecure_seed is not None:
         say(f"WARNING: --insecure-seed {args.insecure_seed}: the DP noise and the Poisson sampling are derived from a "
             "public seed; anyone who knows it can regenerate the noise and subtract it. NO privacy guarantee holds "

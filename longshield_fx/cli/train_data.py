@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 
 from .corpus import NOT_COVERED
-from .common import CLIError, build_model, positive_float, positive_int, pretrained
+from .common import CLIError, build_model, positive_float, positive_int, pretrained, say
 from .hf import require_peft
 
 
@@ -102,6 +102,26 @@ def build_model_for(job) -> None:
         job.model_desc = {**job.model_desc, "lora": lora_description(args)}
         job.model_name += f" + LoRA r={args.lora} ({args.lora_targets})"
     job.model.train()  # from_pretrained returns a model in eval mode: fine-tuning runs dropout as configured
+    _check_positions(job.model, args.seq_len)
+
+
+def _check_positions(model, T: int) -> None:
+    """A sequence longer than the model's positions: refused where the positions are a learned table
+    (GPT-2's ``wpe``: position T-1 has no row), a warning where they are computed (RoPE runs past
+    ``max_position_embeddings``, but the model was never trained there)."""
+    import torch.nn as nn
+
+    lm = getattr(model, "lm", model)
+    config = getattr(lm, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not isinstance(limit, int) or limit >= T:
+        return
+    learned = [n for n, m in lm.named_modules() if isinstance(m, nn.Embedding) and ("pos" in n.lower() or n.endswith("wpe"))]
+    if learned:
+        raise CLIError(f"--seq-len {T} is longer than the model's {limit} learned positions ({learned[0]}); "
+                       f"use --seq-len {limit} or less")
+    say(f"WARNING: --seq-len {T} is longer than the model's max_position_embeddings = {limit}: its positions are "
+        "computed (they run on), but it was never trained beyond them")
 
 
 def data_signature(job) -> dict:

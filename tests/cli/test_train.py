@@ -405,15 +405,48 @@ def test_atomic_save_never_leaves_a_partial_checkpoint(tmp_path, monkeypatch):
 
 
 def test_train_hf_config(tmp_path, capsys):
+    """An HF config trains; past its max_position_embeddings (RoPE: computed positions) with a warning."""
     import transformers
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
     cfg.to_json_file(tmp_path / "llama.json")
     assert cli.main(["train", "--hf-config", str(tmp_path / "llama.json"), "--steps", "2", "-T", "32", "--save-every",
                      "0", *FAST, "--accountant", "rdp", "--sigma", "1", "--out", str(tmp_path / "hf")]) == 0
     out = capsys.readouterr().out
     assert "HF LlamaForCausalLM" in out and len(metric_rows(tmp_path / "hf")) == 2
     assert 0 < reported_epsilon(out)[0] < float("inf")
+    assert "WARNING: --seq-len 32 is longer than the model's max_position_embeddings = 16" in out
+
+
+def test_learned_positions_shorter_than_the_sequence_are_refused_before_any_output(tmp_path, capsys):
+    """GPT-2's position table has n_positions rows: T beyond it is a one-line usage error, and the
+    run writes nothing (it used to die in an IndexError mid-step, leaving a half-made --out)."""
+    import transformers
+    transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=4, n_positions=16).to_json_file(tmp_path / "g.json")
+    code = cli.main(["train", "--hf-config", str(tmp_path / "g.json"), "--steps", "1", "-T", "32", *FAST,
+                     "--out", str(tmp_path / "gpt2")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--seq-len 32 is longer than the model's 16 learned positions (transformer.wpe)" in err[0]
+    assert not (tmp_path / "gpt2" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--delta", "0.5", "--steps", "2"], "--delta 0.5: delta=0.5 is >= "),
+    (["--target-epsilon", "1e-3", "--steps", "100000", "--sample-rate", "0.5"], "is unreachable with noise_multiplier"),
+])
+def test_privacy_flags_that_cannot_be_met_are_one_line_usage_errors(tmp_path, capsys, flags, words):
+    code = cli.main(["train", "-T", "32", "--max-files", "60", "--physical-batch-size", "4", *flags,
+                     "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0] and "Error" not in err[0], err
+
+
+def test_noise_that_swamps_the_gradient_is_announced(tmp_path, capsys):
+    assert cli.main(["train", "--steps", "1", "-T", "32", "--save-every", "0", *FAST, "--target-epsilon", "1e-9",
+                     "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: σ = " in out and "the model will learn little or nothing" in out
 
 
 @pytest.mark.slow
