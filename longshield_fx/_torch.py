@@ -85,9 +85,14 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
             _without_onednn(), \
             fx_traceback.preserve_node_meta(), _buffer_flags_readable():
         try:
-            dynamo_gm = dynamo_graph_capture_for_export(model)(*example_batch)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                dynamo_gm = dynamo_graph_capture_for_export(model)(*example_batch)
         except torch._dynamo.exc.TorchDynamoException as e:
             raise CaptureError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
+        for w in caught:
+            if not _only_output_collector(str(w.message)):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     guards = DynamoGuards.build(dynamo_gm, model)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._guards.tracing(dynamo_gm.meta["tracing_context"]))
@@ -95,6 +100,16 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
         joint = aot_export_joint_with_descriptors(stack, dynamo_gm, tuple(example_batch))
     joint.graph_module.meta[GUARDS] = guards
     return joint.graph_module, joint.fake_mode
+
+
+def _only_output_collector(message: str) -> bool:
+    """Dynamo's "side effects happened in the model.forward" warning naming only transformers'
+    output collector, a module global every HF forward sets and restores (``output_capturing``):
+    nothing the graph drops. Any other side effect it lists is still warned about."""
+    if "side effects happened" not in message or "[" not in message:
+        return False
+    sources = [src.strip(" '\"") for src in message[message.index("[") + 1:message.rindex("]")].split(",")]
+    return bool(sources) and all(src.endswith("output_capturing']._active_collector") for src in sources)
 
 
 @contextlib.contextmanager

@@ -120,8 +120,8 @@ def _optimizer_corpus_device_args(p) -> None:
     p.add_argument("--max-files", type=nonneg_int, default=400,
                    help="stdlib .py files read (sorted by path) for the corpus; 0 reads all")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where the model and the compiled step run (cuda: NCCL under torchrun; written for the "
-                   "CUDA attention kernels but not yet run on a GPU)")
+                   help="where the model and the compiled step run (cuda: NCCL under torchrun; per-sample "
+                   "gradients and clipped sums checked on one H100, README 'GPUs'; NCCL across ranks not yet run)")
 
 
 def _output_args(p) -> None:
@@ -337,8 +337,11 @@ def _load_corpus(job: Job) -> None:
     if args.sample_rate is not None:
         job.q = args.sample_rate
     elif args.expected_batch_size > N:
+        held_out = f" left for training after --eval-fraction {args.eval_fraction:g} held out " \
+                   f"{job.eval_set.num_units}" if args.data and args.eval_fraction else ""
         raise CLIError(f"--expected-batch-size {args.expected_batch_size:g} exceeds the number of privacy units "
-                       f"N = {N}; lower it" + ("" if args.data else " or raise --max-files"))
+                       f"N = {N}{held_out}; lower it" + ("" if args.data else " or raise --max-files")
+                       + (" or the held-out fraction" if held_out else ""))
     else:
         job.q = args.expected_batch_size / N
     job.delta = args.delta if args.delta is not None else default_delta(N)

@@ -225,8 +225,10 @@ def _write_outputs(job: Job, summary_: dict, eps: float) -> str:
                           job.run_dir / "loss_vs_epsilon.png",
                           title=plot_title(job.model_name, job.args.seq_len, sampling_choice(job.args),
                                            job.sigma, job.unit))
-    (job.run_dir / "summary.json").write_text(json.dumps(summary_, indent=1) + "\n")
-    return ", ".join(written + [str(privacy), str(png), str(final)])
+    summary_path = job.run_dir / "summary.json"
+    summary_path.write_text(json.dumps(summary_, indent=1) + "\n")
+    return ", ".join(written + [str(privacy), str(png), str(final), str(summary_path),
+                                str(job.run_dir / "signature.json")])
 
 
 def finish(job: Job) -> int:

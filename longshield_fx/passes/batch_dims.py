@@ -88,20 +88,9 @@ def batch_dim(node) -> BatchDim | None:
     return node.meta.get("batch_dim") if isinstance(node, fx.Node) else None
 
 
-class AmbiguousBatchOfOne(UnsupportedModelError):
-    """Refused at a batch of one, where a size-1 dim could hold the batch as well as the one
-    the rules guessed (``(T, 1, H) -> (T*1, H)`` or ``(T, 1*H)``): the engine asks the graph
-    of two samples instead, whose verdict and tags do not depend on such a guess."""
-
-
 def batch_dims(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Tag sample dimensions on every node (see the module docstring)."""
-    try:
-        return _tag_graph(gm, ctx.captured.inputs, ctx.batch_size)
-    except UnsupportedModelError as e:
-        if ctx.batch_size == 1:
-            raise AmbiguousBatchOfOne(str(e)) from e
-        raise
+    return _tag_graph(gm, ctx.captured.inputs, ctx.batch_size)
 
 
 def _tag_graph(gm: fx.GraphModule, kinds, B: int) -> fx.GraphModule:

@@ -21,7 +21,6 @@ from ..data import LogicalBatch
 from ..errors import UnsupportedModelError
 from ..passes import Lowered, PassContext, format_log, lower, pipeline
 from ..passes._graph import val
-from ..passes.batch_dims import AmbiguousBatchOfOne
 from .accounting import PrivacyAccountant
 from .noise import NoiseGenerator, broadcast_key, key_from_insecure_seed
 from .fsdp import Sharding
@@ -88,7 +87,7 @@ class Engine:
         self._pristine = None  # (model fingerprint, an unrewritten copy of the last capture)
         self._shapes = None
         # A batch of one runs as two rows, the second a masked copy of the first, when the graph
-        # of one sample leaves its batch dimension ambiguous (``passes.batch_dims.AmbiguousBatchOfOne``).
+        # of one sample is refused and that of two is not (``lower``).
         self._pad_one = False
         self._accum: dict[str, torch.Tensor] | None = None
         self._accumulated = 0  # real samples since the last finalize (this rank)
@@ -134,9 +133,18 @@ class Engine:
         if lowered is None:
             try:
                 lowered = self._lower(graph, batch)
-            except AmbiguousBatchOfOne:
-                self._pad_one = True  # the two-sample graph's verdict (and its refusal, if any)
-                lowered = self._lower(graph, self._padded(example_batch))
+            except UnsupportedModelError:
+                # At a batch of one a size-1 dim can hold the batch as well as the one the rules
+                # guessed ((T, 1, H) -> (T*1, H) or (T, 1*H)): the two-sample graph decides, its
+                # verdict (and refusal, if any) is the model's, and a batch of one runs in it.
+                if batch[0].shape[0] != 1:
+                    raise
+                self._pad_one = True
+                try:
+                    lowered = self._lower(graph, self._padded(example_batch))
+                except UnsupportedModelError:
+                    self._pad_one = False
+                    raise
             self._lowered[graph] = lowered
         return lowered
 

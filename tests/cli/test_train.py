@@ -447,6 +447,10 @@ def test_noise_that_swamps_the_gradient_is_announced(tmp_path, capsys):
                      "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "WARNING: σ = " in out and "the model will learn little or nothing" in out
+    wrote = next(line for line in out.splitlines() if line.startswith("wrote "))
+    for name in ("metrics.jsonl", "privacy.json", "loss_vs_epsilon.png", "final_model.pt", "summary.json",
+                 "signature.json"):
+        assert name in wrote and (tmp_path / "run" / name).exists(), name
 
 
 @pytest.mark.slow
@@ -583,3 +587,15 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
     assert train_losses(resumed)[2] == pytest.approx(train_losses(uninterrupted)[2], rel=1e-5)
     # step 3's noise differs after re-sharding (no shard repeats a draw), so its model does too
     assert resumed[2]["not_covered_by_dp"]["eval_loss"] == pytest.approx(written_model_eval(), rel=1e-6)
+
+
+def test_a_hold_out_that_leaves_too_few_units_is_named(tmp_path, capsys):
+    data = tmp_path / "docs"
+    data.mkdir()
+    for i in range(6):
+        (data / f"d{i}.txt").write_text(f"document number {i} with some text\n")
+    code = cli.main(["train", "--model", "tiny", "-T", "32", "--data", str(data), "--eval-fraction", "0.9",
+                     "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "N = 1 left for training after --eval-fraction 0.9 held out 5; lower it or the held-out fraction" in err[0]
