@@ -123,63 +123,60 @@ def _sum(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     return _dense(rw, node, y)
 
 
+def _affine(rw: Rewriter, node: fx.Node, grad_out: fx.Node, x: fx.Node, dims: list, x_hat) -> PerSampleGrad:
+    """A norm's affine weight (output 1: sums ``grad_out * x_hat()`` over ``dims``) or bias (sums
+    ``grad_out``) gradient, per sample; ``x_hat()`` builds the normalised ``x``, for the weight only."""
+    piece = grad_out
+    if node.args[1] == 1:
+        normalised = x_hat()
+        normalised.meta["batch_dim"] = batch_dim(x)
+        piece = rw.call(aten.mul.Tensor, grad_out, normalised)
+        piece.meta["batch_dim"] = batch_dim(x)
+    return _dense(rw, node, rw.per_sample_sum(piece, dims, list(val(node).shape)))
+
+
 @per_sample_rule((aten.native_layer_norm_backward.default, 1), (aten.native_layer_norm_backward.default, 2),
                  name="layer_norm")
 def _layer_norm(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     grad_out, x, normalized_shape, mean, rstd = node.args[0].args[:5]
     lead = list(range(val(x).dim() - len(normalized_shape)))
-    if node.args[1] == 1:  # weight: sum over leading dims of grad * x_hat
-        x_hat = rw.call(aten.mul.Tensor, rw.call(aten.sub.Tensor, x, mean), rstd)
-        x_hat.meta["batch_dim"] = batch_dim(x)
-        piece = rw.call(aten.mul.Tensor, grad_out, x_hat)
-        piece.meta["batch_dim"] = batch_dim(x)
-    else:
-        piece = grad_out
-    return _dense(rw, node, rw.per_sample_sum(piece, lead, list(val(node).shape)))
+    return _affine(rw, node, grad_out, x, lead,
+                   lambda: rw.call(aten.mul.Tensor, rw.call(aten.sub.Tensor, x, mean), rstd))
 
 
 @per_sample_rule((aten.native_batch_norm_backward.default, 1), (aten.native_batch_norm_backward.default, 2),
                  name="batch_norm_eval")
 def _batch_norm_eval(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
-    """Eval-mode batch norm (the batch rule refuses training mode): per channel (dim 1), weight
-    sums grad * (x - running_mean) / sqrt(running_var + eps), bias sums grad."""
+    """Eval-mode batch norm (the batch rule refuses training mode): per channel (dim 1), x_hat is
+    (x - running_mean) / sqrt(running_var + eps)."""
     grad_out, x, _, running_mean, running_var = node.args[0].args[:5]
     eps = node.args[0].args[8]
-    others = [d for d in range(val(x).dim()) if d != 1]
-    if node.args[1] == 1:
-        channel = [1, -1] + [1] * (val(x).dim() - 2)
+    channel = [1, -1] + [1] * (val(x).dim() - 2)
+
+    def x_hat():
         mean = rw.call(aten.view.default, running_mean, channel)
         rstd = rw.call(aten.view.default, rw.call(aten.rsqrt.default, rw.call(aten.add.Scalar, running_var, eps)),
                        channel)
-        x_hat = rw.call(aten.mul.Tensor, rw.call(aten.sub.Tensor, x, mean), rstd)
-        x_hat.meta["batch_dim"] = batch_dim(x)
-        piece = rw.call(aten.mul.Tensor, grad_out, x_hat)
-        piece.meta["batch_dim"] = batch_dim(x)
-    else:
-        piece = grad_out
-    return _dense(rw, node, rw.per_sample_sum(piece, others, list(val(node).shape)))
+        return rw.call(aten.mul.Tensor, rw.call(aten.sub.Tensor, x, mean), rstd)
+
+    return _affine(rw, node, grad_out, x, [d for d in range(val(x).dim()) if d != 1], x_hat)
 
 
 @per_sample_rule((aten.native_group_norm_backward.default, 1), (aten.native_group_norm_backward.default, 2),
                  name="group_norm")
 def _group_norm(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
-    """Per channel (dim 1): weight sums grad * x_hat, x_hat normalised by its row's group mean and
-    rstd (N, groups); bias sums grad."""
+    """Per channel (dim 1): x_hat normalised by its row's group mean and rstd (N, groups)."""
     grad_out, x, mean, rstd = node.args[0].args[:4]
-    others = [d for d in range(val(x).dim()) if d != 1]
-    if node.args[1] == 1:
+
+    def x_hat():
         N, groups = val(mean).shape
         grouped = rw.call(aten.view.default, x, [N, groups, -1])
         grouped.meta["batch_dim"] = batch_dim(x)
         centred = rw.call(aten.sub.Tensor, grouped, rw.call(aten.unsqueeze.default, mean, 2))
         x_hat = rw.call(aten.mul.Tensor, centred, rw.call(aten.unsqueeze.default, rstd, 2))
-        x_hat = rw.call(aten.view.default, x_hat, list(val(x).shape))
-        x_hat.meta["batch_dim"] = batch_dim(x)
-        piece = rw.call(aten.mul.Tensor, grad_out, x_hat)
-        piece.meta["batch_dim"] = batch_dim(x)
-    else:
-        piece = grad_out
-    return _dense(rw, node, rw.per_sample_sum(piece, others, list(val(node).shape)))
+        return rw.call(aten.view.default, x_hat, list(val(x).shape))
+
+    return _affine(rw, node, grad_out, x, [d for d in range(val(x).dim()) if d != 1], x_hat)
 
 
 @per_sample_rule(aten.embedding_dense_backward.default, name="embedding")

@@ -299,9 +299,14 @@ class Engine:
             raise ValueError(f"engine.accumulate: mask must have shape ({B},), got {tuple(mask.shape)}")
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("engine.accumulate: mask must hold only 0 (padding) and 1 (real sample)")
-        lowered = self._cached("train", self.parallel.shard(self._padded(batch))) or self.lower(*batch)
-        batch, mask = self._padded(batch, mask)
-        sharded = self.parallel.shard(batch)
+        run, run_mask = self._padded(batch, mask)
+        sharded = self.parallel.shard(run)
+        lowered = self._cached("train", sharded)
+        if lowered is None:  # shapes checked above; a batch of one may turn out to run as two rows
+            lowered = self.lower(*batch)
+            run, run_mask = self._padded(batch, mask)
+            sharded = self.parallel.shard(run)
+        batch, mask = run, run_mask
         captured, gm = lowered.captured, lowered.gm
         loss_val = val(captured.cotangent_placeholder())
         cotangent = mask.to(device=batch[0].device, dtype=loss_val.dtype)

@@ -40,20 +40,26 @@ def test_batchnorm_is_rejected_naming_the_op_and_module():
     assert "batch_norm" in msg and "bn (BatchNorm1d)" in msg and "mixes samples" in msg
 
 
-class EvalBatchNorm(nn.Module):
+class Normed(nn.Module):
+    def __init__(self, layer, norm):
+        super().__init__()
+        self.layer, self.norm = layer, norm
+        with torch.no_grad():
+            norm.weight.normal_()
+            norm.bias.normal_()
+
+    def forward(self, x):
+        return self.norm(self.layer(x)).pow(2).flatten(1).sum(1)
+
+
+class EvalBatchNorm(Normed):
     """A layer and batch norm in eval mode (running statistics): per channel, never over the batch."""
 
     def __init__(self, layer, bn):
-        super().__init__()
-        self.layer, self.bn = layer, bn
+        super().__init__(layer, bn)
         with torch.no_grad():
             bn.running_mean.normal_()
             bn.running_var.uniform_(0.5, 2.0)
-            bn.weight.normal_()
-            bn.bias.normal_()
-
-    def forward(self, x):
-        return self.bn(self.layer(x)).pow(2).flatten(1).sum(1)
 
 
 @pytest.mark.parametrize("make, shape", [
@@ -65,18 +71,6 @@ def test_batchnorm_in_eval_mode_uses_running_statistics_and_is_exact(make, shape
     torch.manual_seed(0)
     model = make().eval()
     assert_matches_vmap(model, (torch.randn(*shape),))
-
-
-class Normed(nn.Module):
-    def __init__(self, layer, norm):
-        super().__init__()
-        self.layer, self.norm = layer, norm
-        with torch.no_grad():
-            norm.weight.normal_()
-            norm.bias.normal_()
-
-    def forward(self, x):
-        return self.norm(self.layer(x)).pow(2).flatten(1).sum(1)
 
 
 @pytest.mark.parametrize("B", [1, 2, 3, 4])
