@@ -74,7 +74,8 @@ class Documents:
     padding slot (labels, not ids, say where the tokens are: ``pad_id`` may be a real token).
     The per-unit lists count, for unit i, its documents, its tokens before truncation and the
     tokens dropped by ``max_rows``. ``skipped`` counts the documents left out of the whole
-    load (``non_utf8``, ``empty``, ``same_file``); an eval/train split keeps the load's counts.
+    load (``non_utf8``, ``empty``, ``same_file``) and ``skipped_names`` names the first
+    ``_NAMED`` of each (a file's relative path, or ``line k``); an eval/train split keeps both.
     """
 
     ids: torch.Tensor
@@ -88,6 +89,7 @@ class Documents:
     source: str
     kind: str  # "directory", "jsonl" or "txt"
     unit_key: str | None = None  # the .jsonl field that named the units; None: a unit per file or line
+    skipped_names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # the first few of each
 
     @property
     def num_units(self) -> int:
@@ -123,6 +125,12 @@ class Documents:
     def tokens_total(self) -> int:
         return sum(self.tokens_total_per_unit)
 
+    def pieces(self) -> list[list[list[int]]]:
+        """Each unit as the token lists of its rows (padding left out): the pieces
+        ``packing.pack_documents`` packs several units' of into one row."""
+        return [[row[keep].tolist() for row, keep in zip(ids, labels != -100) if bool(keep.any())]
+                for ids, labels in zip(self.ids, self.labels)]
+
     def dataset(self):
         from torch.utils.data import TensorDataset
 
@@ -135,7 +143,8 @@ class Documents:
                 "tokens_kept": self.num_tokens, "tokens_total": self.tokens_total,
                 "truncated_units": self.truncated_units, "tokens_dropped": self.tokens_dropped,
                 "padding_fraction": round(1 - self.num_tokens / slots, 6) if slots else 0.0,
-                "skipped": dict(self.skipped), "source": self.source}
+                "skipped": dict(self.skipped), "skipped_names": {k: list(v) for k, v in self.skipped_names.items()},
+                "source": self.source}
 
     def split(self, eval_fraction: float, seed: int) -> tuple["Documents", "Documents"]:
         """(train, eval) by whole units: a shuffle seeded by ``seed`` (``torch.Generator``), eval
@@ -160,7 +169,7 @@ class Documents:
                          self.seq_len, [self.documents_per_unit[i] for i in pick],
                          [self.tokens_total_per_unit[i] for i in pick],
                          [self.tokens_dropped_per_unit[i] for i in pick], dict(self.skipped), self.source,
-                         self.kind, self.unit_key)
+                         self.kind, self.unit_key, dict(self.skipped_names))
 
     def describe(self) -> str:
         what = "files" if self.kind == "directory" else "lines"
@@ -168,7 +177,24 @@ class Documents:
         return (f"{self.num_units} units ({self.num_documents} documents), {self.num_tokens} tokens in "
                 f"{self.num_rows} rows of {self.seq_len}, {self.rows_per_unit} rows per unit; {self.truncated_units} units "
                 f"truncated ({self.tokens_dropped} tokens dropped); {sum(s.values())} {what} skipped "
-                f"(non-UTF-8: {s['non_utf8']}, empty: {s['empty']}, one file reached twice: {s['same_file']})")
+                f"(non-UTF-8: {s['non_utf8']}, empty: {s['empty']}, one file reached twice: {s['same_file']})"
+                + "".join(f"; {why}: {_listed(self.skipped_names[key], s[key])}"
+                          for key, why in (("non_utf8", "not UTF-8"), ("empty", "empty or under 2 tokens"),
+                                           ("same_file", "read once already"))
+                          if self.skipped_names.get(key)))
+
+
+_NAMED = 5  # skipped documents named per reason (the rest counted)
+
+
+def _listed(names: list[str], count: int) -> str:
+    return ", ".join(names) + (f" and {count - len(names)} more" if count > len(names) else "")
+
+
+def _skip(skipped: dict, names: dict, reason: str, name: str) -> None:
+    skipped[reason] += 1
+    if len(names.setdefault(reason, [])) < _NAMED:
+        names[reason].append(name)
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -301,7 +327,7 @@ def _txt_documents(path: Path):
             yield ("line", k), f"line {k}", line
 
 
-def _dir_documents(root: Path, skipped: dict[str, int]):
+def _dir_documents(root: Path, skipped: dict[str, int], names: dict[str, list[str]]):
     seen = set()
     for rel, p in _walk(root):
         try:
@@ -309,13 +335,13 @@ def _dir_documents(root: Path, skipped: dict[str, int]):
         except OSError as e:
             raise DataError(f"cannot read {p}: {e.strerror or e}") from None
         if (st.st_dev, st.st_ino) in seen:
-            skipped["same_file"] += 1
+            _skip(skipped, names, "same_file", rel)
             continue
         seen.add((st.st_dev, st.st_ino))
         try:
             body = _decode(_read(p))
         except UnicodeDecodeError:
-            skipped["non_utf8"] += 1
+            _skip(skipped, names, "non_utf8", rel)
             continue
         yield ("file", rel), rel, body
 
@@ -347,9 +373,9 @@ def load_documents(path, encode: Callable[[str], Sequence[int]], seq_len: int, m
     if max_rows < 1:
         raise DataError(f"the rows per unit must be >= 1, got {max_rows}")
     p = Path(path)
-    skipped = {"non_utf8": 0, "empty": 0, "same_file": 0}
+    skipped, skipped_names = {"non_utf8": 0, "empty": 0, "same_file": 0}, {}
     if p.is_dir():
-        kind, docs = "directory", _dir_documents(p, skipped)
+        kind, docs = "directory", _dir_documents(p, skipped, skipped_names)
     elif not p.exists():
         raise DataError(f"no such file or directory: {path}; expected {ACCEPTED}")
     elif p.is_file() and p.suffix.lower() == ".jsonl":
@@ -366,7 +392,7 @@ def load_documents(path, encode: Callable[[str], Sequence[int]], seq_len: int, m
         tokens = torch.as_tensor(tokens if isinstance(tokens, (list, tuple)) else list(tokens), dtype=torch.long)
         n = int(tokens.numel())
         if n < 2:
-            skipped["empty"] += 1
+            _skip(skipped, skipped_names, "empty", name)
             continue
         u = units.get(key)
         if u is None:
@@ -398,4 +424,4 @@ def load_documents(path, encode: Callable[[str], Sequence[int]], seq_len: int, m
     keyed = any(key[0] == "id" for key in units)
     return Documents(ids, labels, [u.name for u in order], T, [u.documents for u in order],
                      [u.tokens_total for u in order], [u.tokens_dropped for u in order], skipped,
-                     str(path), kind, unit_key if keyed else None)
+                     str(path), kind, unit_key if keyed else None, skipped_names)

@@ -76,9 +76,20 @@ def test_directory_rows_labels_and_skips(tree):
     assert s == {"documents": 3, "units": 3, "rows": 5, "rows_per_unit": 3, "seq_len": T,
                  "tokens_kept": 29, "tokens_total": 29, "truncated_units": 0, "tokens_dropped": 0,
                  "padding_fraction": round(1 - 29 / (3 * 3 * T), 6),
-                 "skipped": {"non_utf8": 1, "empty": 2, "same_file": 0}, "source": str(tree)}
+                 "skipped": {"non_utf8": 1, "empty": 2, "same_file": 0},
+                 "skipped_names": {"non_utf8": ["sub/latin1.txt"], "empty": ["empty.txt", "one.txt"]},
+                 "source": str(tree)}
+    # The skipped files are named, not only counted.
     assert docs.describe() == ("3 units (3 documents), 29 tokens in 5 rows of 8, 3 rows per unit; 0 units truncated "
-                               "(0 tokens dropped); 3 files skipped (non-UTF-8: 1, empty: 2, one file reached twice: 0)")
+                               "(0 tokens dropped); 3 files skipped (non-UTF-8: 1, empty: 2, one file reached twice: 0); "
+                               "not UTF-8: sub/latin1.txt; empty or under 2 tokens: empty.txt, one.txt")
+
+
+def test_skipped_files_past_the_first_few_are_counted(tmp_path):
+    for i in range(7):
+        (tmp_path / f"{i}.bin").write_bytes(b"\xff\xfe\xfa")
+    (tmp_path / "ok.txt").write_text("fine text")
+    assert load(tmp_path).describe().endswith("not UTF-8: 0.bin, 1.bin, 2.bin, 3.bin, 4.bin and 2 more")
 
 
 def test_pad_id_is_not_the_token_mask(tmp_path):

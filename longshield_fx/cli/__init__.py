@@ -47,6 +47,7 @@ def build_parser() -> Parser:
     audit.add_parser(sub)
     inspect.add_parser(sub)
     plan.add_parser(sub)
+    parser.commands = sub.choices  # name -> its parser
     return parser
 
 
@@ -70,7 +71,10 @@ def main(argv=None) -> int:
 
 def _run(argv) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand, whose --help lists its flags
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv  # which flags were given (``train --resume DIR`` takes the others from the run)
     prefix = f"{PROG} {args.command}"
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def loss_vs_epsilon(rows: list[dict], path: str | Path, title: str = "") -> Path
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     if pts:
         eps, loss = zip(*pts)
-        ax.plot(eps, loss, ".", color="tab:blue", alpha=0.45, label="step")
+        ax.plot(eps, loss, ".", color="tab:blue", alpha=0.45, label="training loss, per step")
         k = 5
         if len(loss) >= k:
             smooth = [sum(loss[i - k + 1: i + 1]) / k for i in range(k - 1, len(loss))]
@@ -47,7 +48,9 @@ def loss_vs_epsilon(rows: list[dict], path: str | Path, title: str = "") -> Path
         ax.legend(loc="upper right")
     ax.set_xlabel("ε spent")
     ax.set_ylabel("loss per token (nats)")
-    ax.set_title(title or "loss vs privacy spent")
+    # A long model path would run off the figure: wrap each line of the title to its width.
+    wrapped = "\n".join(textwrap.fill(line, 72) for line in (title or "loss vs privacy spent").splitlines())
+    ax.set_title(wrapped, fontsize=9 if wrapped.count("\n") > 2 else None)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)
