@@ -27,6 +27,8 @@ private API                                                        why
                                                                    the (replicate, shard) mesh of FSDP
 ``torch.distributed.tensor._op_schema``, ``._dtensor_spec``,          how an op without a hand batch rule
 ``DTensor._op_dispatcher.sharding_propagator``                       carries the batch (batch_dims)
+``torch._grouped_mm``                                                per-unit linear gradients of packed
+                                                                   documents on CUDA (ops/segment.py)
 =================================================================  ======================================
 """
 from __future__ import annotations
@@ -313,3 +315,8 @@ def dtensor_batch_dims(op, args, kwargs, B: int):
 
     specs = out.output_spec
     return tuple(placement(s) for s in (specs if isinstance(specs, (tuple, list)) else (specs,)))
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(G, p, d): ``a[:, rows of g] @ b[rows of g]`` for the row groups ending at ``offsets`` (int32)."""
+    return torch._grouped_mm(a, b, offs=offsets)

@@ -1,6 +1,7 @@
 """``compile``: wires capture -> passes -> runtime."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .config import DPConfig
@@ -9,7 +10,7 @@ from .runtime.engine import Engine
 
 def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, checkpoint=None,
             inner_ring: int | None = None, fsdp=None, reshard_after_forward: bool = True,
-            disable_passes=()) -> Engine:
+            disable_passes=(), packed_units: int = 0) -> Engine:
     """Compile ``model`` into a DP training engine.
 
     ``model.forward(*batch)`` must return per-sample losses of shape (B,); the objective is
@@ -41,6 +42,12 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
     ``checkpoint``: None, ``"block"`` (recompute each transformer block's activations in the
     backward) or ``"selective"`` (as block, but keep attention outputs and their lse).
 
+    ``packed_units``: U > 0 when rows hold packed documents (``longshield_fx.pack_documents``):
+    the last tensor of every batch is then the (B, T) unit slot of each token, in [0, U], U
+    for padding, and the samples (clipped, counted, accounted) are the U unit slots, not the
+    rows; ``model.forward`` returns each row's summed loss (``PackedCausalLMLoss``). One
+    process for now: a mesh and fsdp are refused with it.
+
     ``disable_passes``: names of passes to leave out of the pipeline, for experiments and
     benchmarks (e.g. ``("overlap",)``); ``print(engine)`` shows the pipeline.
     """
@@ -52,5 +59,17 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
         raise ValueError(f"compile: checkpoint must be None, 'block' or 'selective', got {checkpoint!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("compile: the model has no trainable parameters (all requires_grad=False)")
+    if packed_units is True or packed_units != 0:  # 0 (or False): not packed
+        if not (isinstance(packed_units, int) and not isinstance(packed_units, bool) and packed_units > 0):
+            raise ValueError(f"compile: packed_units must be an int > 0 (unit slots per physical batch), "
+                             f"got {packed_units!r}")
+        if config is not None and config.compute_dtype == torch.float16:
+            # Attention weighs another unit's tokens by an exact 0, and 0 * inf is nan: one unit that
+            # overflows fp16 would turn the other units of its rows non-finite (and so drop them).
+            raise ValueError("compile: packed documents do not run in float16 (one unit's overflow would reach the "
+                             "other units of its rows through attention's zero weights); use bfloat16 or float32")
+        if mesh is not None or fsdp is not None:
+            raise ValueError("compile: packed documents (packed_units) run on one process for now; way out: "
+                             "unpacked batches (CLI --no-pack) for a mesh (cp, dp) or fsdp")
     return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp,
-                  reshard_after_forward=reshard_after_forward)
+                  reshard_after_forward=reshard_after_forward, packed_units=packed_units)

@@ -38,6 +38,8 @@ class LogicalBatch:
     dataset field (a 1-tuple for a plain-tensor dataset), each with leading
     dimension ``physical_batch_size``; ``mask`` is a float32 tensor of shape
     ``(physical_batch_size,)``. ``sum(mask.sum() for _, mask in physical) == size``.
+    Packed batches (``packing.PackedPoissonBatches``) have no mask (None): their unit slots
+    say which units they hold.
     ``sample_rate`` and ``expected_size`` (q·N) are the sampler's: ``engine.finalize(batch)``
     divides by the expected size and accounts the step at this q, so q has one source.
     """
@@ -54,6 +56,8 @@ class LogicalBatch:
         group runs the same number. Groups that share collectives inside each physical batch
         (ZeRO-3 over dp gathers parameters there) would otherwise wait on each other forever
         when the Poisson draw splits unevenly."""
+        if replicas == 1:
+            return list(self.physical)
         per_group = -(-len(self.physical) // replicas)
         blank = (self.physical[0][0], torch.zeros_like(self.physical[0][1]))
         padded = self.physical + [blank] * (per_group * replicas - len(self.physical))
@@ -111,25 +115,28 @@ class PoissonBatches:
         insecure_seed: Optional[int] = None,
         steps: Optional[int] = None,
     ) -> None:
-        if not (isinstance(sample_rate, numbers.Real) and 0.0 < sample_rate <= 1.0):
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
         if not _is_int(physical_batch_size) or physical_batch_size < 1:
             raise ValueError(
                 f"physical_batch_size must be an integer >= 1, got {physical_batch_size!r}"
             )
+        self._fields, self._single = _as_fields(dataset)
+        self._dataset = dataset
+        self._sampling(_length(dataset, self._fields), sample_rate, steps, insecure_seed)
+        self.physical_batch_size = int(physical_batch_size)
+
+    def _sampling(self, n: int, sample_rate: float, steps: Optional[int], insecure_seed: Optional[int]) -> None:
+        """The Poisson draw over ``n`` examples: q, the epoch length and the secret stream."""
+        if not (isinstance(sample_rate, numbers.Real) and 0.0 < sample_rate <= 1.0):
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
         if steps is not None and (not _is_int(steps) or steps < 1):
             raise ValueError(f"steps must be an integer >= 1 or None, got {steps!r}")
         if insecure_seed is not None and not _is_int(insecure_seed):
             raise ValueError(f"insecure_seed must be an integer or None, got {insecure_seed!r}")
-
-        self._fields, self._single = _as_fields(dataset)
-        self._dataset = dataset
-        self._n = _length(dataset, self._fields)
+        self._n = n
         if self._n == 0:
             raise ValueError("dataset is empty: Poisson sampling needs at least one example")
 
         self.sample_rate = float(sample_rate)
-        self.physical_batch_size = int(physical_batch_size)
         self._steps = int(steps) if steps is not None else max(1, round(1.0 / self.sample_rate))
 
         self._threshold = math.ceil(self.sample_rate * 2.0 ** 53)
@@ -168,7 +175,11 @@ class PoissonBatches:
         include = self._stream.uniform53(self._n) < self._threshold
         indices = include.nonzero().squeeze(1)
         self._step += 1
+        return LogicalBatch(size=int(indices.numel()), indices=indices, physical=self._physical(indices),
+                            sample_rate=self.sample_rate, expected_size=self.expected_batch_size)
 
+    def _physical(self, indices: torch.Tensor) -> list:
+        """The sampled examples as fixed-shape physical batches with their masks."""
         size = int(indices.numel())
         p = self.physical_batch_size
         num_physical = max(1, math.ceil(size / p))
@@ -180,8 +191,7 @@ class PoissonBatches:
         for k in range(num_physical):
             rows = padded[k * p : (k + 1) * p]
             physical.append((self._gather(rows), mask[k * p : (k + 1) * p].clone()))
-        return LogicalBatch(size=size, indices=indices, physical=physical,
-                            sample_rate=self.sample_rate, expected_size=self.expected_batch_size)
+        return physical
 
     def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._fields is not None:

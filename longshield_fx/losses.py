@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import UnsupportedModelError
+from .models.llama import document_mask
+
 
 def _is_hf_model(model: nn.Module) -> bool:
     # A Hugging Face (or peft-wrapped) model can only exist if its package is already imported,
@@ -50,6 +53,9 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         self.lm = lm
         self.is_hf = _is_hf_model(lm)
+        why = packing_refused(lm)
+        if why:
+            raise UnsupportedModelError(f"PackedCausalLMLoss: {why}")
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,6 +79,63 @@ class CausalLMLoss(nn.Module):
         token_loss = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:],
                                      reduction="none", ignore_index=-100)
         return _per_sample(token_loss, B, rows)
+
+
+class PackedCausalLMLoss(nn.Module):
+    """Each row's summed next-token cross-entropy over packed documents (``compile(...,
+    packed_units=U)``; ``pack_documents`` makes the batches).
+
+    ``forward(input_ids, labels, position_ids, units)``, all (B, T): a row holds several
+    documents; a segment (one document, or the part of one that fits the row) starts where
+    the position does not follow the previous token's by one or the unit slot changes. A token
+    attends only to its own segment's earlier tokens, and a token never predicts the first
+    token of the next segment (that pair would carry one document's text into another's
+    gradient), whatever the labels say. Returns (B,): the engine sums each unit's share of it.
+
+    ``lm``: the reference ``Llama`` (given ``segment_ids``) or a Hugging Face causal LM, given
+    the block-diagonal causal mask as a 4-D boolean ``attention_mask`` and the positions (its
+    own detection of packed sequences from positions alone is not relied on).
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.is_hf = _is_hf_model(lm)
+        why = packing_refused(lm)
+        if why:
+            raise UnsupportedModelError(f"PackedCausalLMLoss: {why}")
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+                units: torch.Tensor) -> torch.Tensor:
+        if not (input_ids.dim() == 2 and input_ids.shape == labels.shape == position_ids.shape == units.shape):
+            raise ValueError(f"PackedCausalLMLoss: input_ids, labels, position_ids and units must all be (B, T), got "
+                             f"{[tuple(t.shape) for t in (input_ids, labels, position_ids, units)]}")
+        follows = (position_ids[:, 1:] == position_ids[:, :-1] + 1) & (units[:, 1:] == units[:, :-1])
+        starts = torch.cat([torch.ones_like(follows[:, :1]), ~follows], dim=1)
+        segments = starts.cumsum(1)
+        if self.is_hf:
+            out = self.lm(input_ids, position_ids=position_ids, attention_mask=document_mask(segments), use_cache=False)
+            logits = out.logits
+        else:
+            logits = self.lm(input_ids, position_ids=position_ids, segment_ids=segments)
+        logits = _at_least_fp32(logits[:, :-1])
+        targets = labels[:, 1:].masked_fill(starts[:, 1:], -100)
+        token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
+        return token_loss.sum(dim=1)
+
+
+def packing_refused(lm: nn.Module) -> str | None:
+    """Why ``lm`` cannot run packed documents, or None. A Hugging Face model must attend with
+    SDPA, which applies the 4-D boolean mask as a mask: eager attention adds a mask to the scores
+    (True as +1: nothing masked), other kernels may drop it."""
+    if not _is_hf_model(lm):
+        return None
+    attention = getattr(lm.config, "_attn_implementation", None)
+    if attention != "sdpa":
+        return (f"packed documents need a Hugging Face model with attn_implementation='sdpa' (this one attends with "
+                f"{attention!r}, which would not keep the documents of a row apart); load it with "
+                "attn_implementation='sdpa', or train on unpacked batches (CausalLMLoss, CLI --no-pack)")
+    return None
 
 
 def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:

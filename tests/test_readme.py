@@ -21,6 +21,15 @@ def test_usage_example_runs():
     assert 0 < engine.epsilon(delta=1e-5) < float("inf")
 
 
+def test_packed_documents_example_runs():
+    example = re.search(r"### Packed documents\n.*?```python\n(.*?)```", README, re.S).group(1)
+    namespace = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    engine, batches = namespace["engine"], namespace["batches"]
+    assert engine.captures == 1 and batches.step == 2
+    assert 0 < engine.epsilon(delta=1e-5) < float("inf")
+
+
 def test_documented_signatures_match():
     compile_doc = re.search(r"- `compile\((.*?)\)`", README).group(1)
     assert _names(compile_doc) == list(inspect.signature(lf.compile).parameters)

@@ -163,6 +163,10 @@ class Job:
     dp_rank: int = 0
     corpus: object = None                # the training data: cli.corpus.Corpus or cli.documents.Documents
     eval_set: object = None              # held-out Documents, or None
+    packed: bool = False                 # --data packed into shared rows (not --no-pack, one process)
+    unpacked_why: str | None = None      # why a --data run that would pack does not (the model)
+    unit_slots: int = 0                  # packed: units per physical batch at most (its unit slots)
+    packing: list = field(default_factory=lambda: [0, 0, 0, 0])  # packed: padding slots, slots, rows used, pieces
     tokenizer: object = None             # the --model DIR tokenizer, or None (bytes)
     unit: str = PRIVACY_UNIT             # what ε protects, as printed beside it
     q: float = 0.0
@@ -206,8 +210,14 @@ def train(args) -> int:
     _claim_run_dir(job)
     job.mesh, job.dp, job.dp_rank = setup_distributed(args.cp, args.device, "train")
     job.fsdp = _fsdp_dims(args.fsdp, job.mesh)
+    job.packed = bool(args.data) and not args.no_pack and job.mesh is None
     _load_corpus(job)
     build_model_for(job)
+    if job.packed:
+        from ..losses import packing_refused
+
+        job.unpacked_why = packing_refused(job.model.lm)
+        job.packed = job.unpacked_why is None
     job.device = torch.device(args.device)
     job.model.to(job.device)
     state = _decide_sigma(job)
@@ -427,14 +437,39 @@ def _compile(job: Job, dataset=None) -> None:
     # No seed: the noise key is 256 bits from the OS (rank 0's, broadcast), unless --insecure-seed.
     config = lf.DPConfig(args.max_grad_norm, job.sigma, clipping=args.clipping, accountant=args.accountant,
                          insecure_seed=args.insecure_seed)
-    job.engine = lf.compile(job.model, job.mesh, config=config, fsdp=job.fsdp,
-                            checkpoint=None if args.checkpoint == "none" else args.checkpoint)
+    checkpoint = None if args.checkpoint == "none" else args.checkpoint
+    if job.packed:
+        _compile_packed(job, config, checkpoint)
+        return
+    job.engine = lf.compile(job.model, job.mesh, config=config, fsdp=job.fsdp, checkpoint=checkpoint)
     _lower_or_refuse(job, dataset)
     job.opt = torch.optim.AdamW(job.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     # Built at the same point on every rank (its key is broadcast from rank 0); one row = one document.
     dataset = job.corpus.dataset() if dataset is None else dataset
     job.batches = PoissonBatches(dataset, sample_rate=job.q, physical_batch_size=args.physical_batch_size,
                                  insecure_seed=args.insecure_seed, steps=args.steps)
+
+
+def _compile_packed(job: Job, config, checkpoint) -> None:
+    """Packed documents: physical batches of B·R rows (the memory of B padded units) holding up
+    to 4·B·R units, Poisson sampling over units (``packing.PackedPoissonBatches``)."""
+    import longshield_fx as lf
+
+    from ..errors import UnsupportedModelError
+    from ..packing import PackedPoissonBatches, empty_batch
+
+    args = job.args
+    rows = max(2, args.physical_batch_size * job.corpus.rows_per_unit)  # one row would run as two: refused
+    job.unit_slots = 4 * rows
+    job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), config=config, checkpoint=checkpoint,
+                            packed_units=job.unit_slots)
+    try:
+        job.engine.lower(*(t.to(job.device) for t in empty_batch(rows, args.seq_len, job.unit_slots).tensors()))
+    except UnsupportedModelError as e:
+        raise CLIError(f"{job.model_name} cannot be trained with DP by longshield_fx: {e}") from None
+    job.opt = torch.optim.AdamW(job.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    job.batches = PackedPoissonBatches(job.corpus.pieces(), job.q, seq_len=args.seq_len, rows=rows,
+                                       unit_slots=job.unit_slots, insecure_seed=args.insecure_seed, steps=args.steps)
 
 
 def _lower_or_refuse(job: Job, dataset) -> None:
@@ -520,8 +555,13 @@ def _announce(job: Job) -> None:
             f"{corpus.truncated} truncated to {T} bytes, {corpus.fraction_used:.1%} of the corpus bytes used"
             + (f", {corpus.skipped} file{'s' * (corpus.skipped != 1)} under 2 bytes left out" if corpus.skipped else "")
             + " (these counts are NOT covered by DP)")
-    say(f"sampling: Poisson q = {job.q:.4g} (E[B] = {job.batches.expected_batch_size:g} {'units' if args.data else 'documents'}), physical batch "
-        f"{args.physical_batch_size}")
+    physical = (f"packed into physical batches of {job.batches.physical_batch_size} rows x {T} holding up to "
+                f"{job.unit_slots} units each (--no-pack: {args.physical_batch_size} units of padded rows)") \
+        if job.packed else f"physical batch {args.physical_batch_size}"
+    say(f"sampling: Poisson q = {job.q:.4g} (E[B] = {job.batches.expected_batch_size:g} "
+        f"{'units' if args.data else 'documents'}), {physical}")
+    if job.unpacked_why:
+        say(f"not packed: {job.unpacked_why}")
     how = "given" if args.sigma is not None else f"calibrated for ε = {args.target_epsilon:g} over {args.steps} steps"
     if args.delta is None:
         why = f"{DELTA_RULE} for N = {N} {'units' if args.data else 'documents'}, well below 1/N = {1 / N:.3g}"

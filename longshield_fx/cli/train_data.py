@@ -26,6 +26,11 @@ def add_data_args(p) -> None:
     p.add_argument("--max-rows", type=positive_int, default=8, metavar="R",
                    help="rows of T tokens per privacy unit: a longer unit is cut after R rows (reported); every "
                    "unit is padded to the longest unit's rows, at most R")
+    p.add_argument("--no-pack", action="store_true",
+                   help="keep each privacy unit in R padded rows of its own (--max-rows) instead of packing several "
+                   "units' rows into each row of a physical batch of B·R rows (the default with --data on one "
+                   "process: far less padding; each unit is still one sample, clipped alone, and no token attends "
+                   "across units). Under torchrun (--cp, dp, --fsdp) the padded layout is used")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--eval-data", metavar="PATH", default=None,
                    help="held-out documents (same formats as --data) evaluated during training (default: none)")
@@ -132,6 +137,7 @@ def data_signature(job) -> dict:
         return {"unit": "document", "max_files": args.max_files,
                 NOT_COVERED: {"documents": job.corpus.num_units}}
     return {"unit": job.unit, "data_path_sha256": hashlib.sha256(str(Path(args.data).resolve()).encode()).hexdigest(),
-            "max_rows": args.max_rows, "unit_key": args.unit_key, "eval_fraction": args.eval_fraction,
+            "max_rows": args.max_rows, "unit_key": args.unit_key,
+            "layout": "packed" if job.packed else "padded rows", "eval_fraction": args.eval_fraction,
             "split_seed": args.seed if args.eval_fraction else None,
             NOT_COVERED: {"units": job.corpus.num_units, "rows_per_unit": job.corpus.rows_per_unit}}

@@ -63,6 +63,17 @@ def _one_step(job: Job, logical, step: int) -> dict:
     # loss sum, predicted tokens, real tokens of this rank's real rows, non-finite samples (NOT covered by DP)
     stats = torch.zeros(4, dtype=torch.float64)
     for (ids, labels, *extra), mask in mine:  # extra: the audit's canary column; none in train
+        if mask is None:  # packed: (ids, labels, positions, units); the unit slots say who is in it
+            loss_sum = engine.accumulate(*(t.to(job.device) for t in (ids, labels, *extra)))
+            positions, units = extra
+            stats[0] += loss_sum.detach().double().cpu()
+            stats[1] += int(((labels != -100) & (positions > 0)).sum())  # a piece's first token predicts nothing
+            stats[2] += int((labels != -100).sum())
+            job.packing[0] += int((units == job.unit_slots).sum())
+            job.packing[1] += units.numel()
+            job.packing[2] += int((units != job.unit_slots).any(1).sum())
+            job.packing[3] += int(((positions == 0) & (units != job.unit_slots)).sum())
+            continue
         real = mask.bool()
         loss_sum = engine.accumulate(ids.to(job.device), labels.to(job.device), *(t.to(job.device) for t in extra),
                                      mask=mask.to(job.device))
@@ -156,6 +167,12 @@ def summary(job: Job, eps: float, loop: float, wall: float, startup: float) -> d
         "corpus": {**c, "data": args.data} if args.data else {"documents": job.corpus.num_units, **c},
         "expected_batch_size": job.batches.expected_batch_size,  # q·N
     })
+    if job.packed:
+        padding, slots, rows, pieces = job.packing
+        private["packing"] = {"unit_slots": job.unit_slots, "rows_per_physical_batch": job.batches.physical_batch_size,
+                              "padding_fraction": round(padding / slots, 6) if slots else None,
+                              "pieces_per_row": round(pieces / rows, 3) if rows else None,
+                              "padding_fraction_unpacked": c["padding_fraction"]}
     if job.eval_set is not None:
         private["eval"] = {**job.eval_set.stats(), **{k: v for k, v in _private(job.rows[-1]).items()
                                                         if k.startswith("eval_")}} if job.rows else job.eval_set.stats()
@@ -249,6 +266,11 @@ def finish(job: Job) -> int:
         f"{speed}")
     say(f"training loss/token (NOT covered by DP): {first:.3f} -> {last:.3f} (mean of the first/last {k} non-empty "
         f"steps); non-finite per-sample gradients (NOT covered by DP): {private['nonfinite_samples']}")
+    if "packing" in private and private["packing"]["padding_fraction"] is not None:
+        pk = private["packing"]
+        say(f"packing (NOT covered by DP): {pk['padding_fraction']:.1%} of the token slots computed were padding "
+            f"({pk['padding_fraction_unpacked']:.1%} with --no-pack), {pk['pieces_per_row']:.2f} pieces of documents "
+            "per row")
     if "eval" in private and "eval_loss" in private["eval"]:
         e = private["eval"]
         say(f"held-out loss/token (NOT covered by DP): {e['eval_loss']:.3f}, perplexity {e['eval_perplexity']:.2f} "

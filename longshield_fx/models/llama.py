@@ -106,7 +106,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -117,7 +118,10 @@ class Attention(nn.Module):
         n_rep = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -134,6 +138,15 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: query t may attend key s iff s <= t and both have the same segment id
+    (block-diagonal causal attention over packed documents)."""
+    T = segment_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
+    return (same & causal).unsqueeze(1)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -142,8 +155,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -180,16 +194,19 @@ class Llama(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V).
 
         ``position_ids`` (B, T) or (1, T) default to ``arange(T)`` as (1, T), broadcast over the
-        batch; pass global positions when the sequence is sharded.
+        batch; pass global positions when the sequence is sharded. ``segment_ids`` (B, T), for
+        packed documents: a token attends only to the tokens at or before it with its segment id.
         """
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         h = self.tok_embeddings(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        mask = None if segment_ids is None else document_mask(segment_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         return self.lm_head(self.norm(h))

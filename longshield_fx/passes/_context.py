@@ -16,7 +16,8 @@ class PassContext:
     policy (None, "block" or "selective"). ``fsdp_*``: parameters and clipped sums are
     sharded along dim 0 over that group (``runtime.fsdp``), replicated over the replica group;
     ``reshard_after_forward``: the backward gathers each parameter again (True) or reads the
-    forward's gather (False; ``gather_params``).
+    forward's gather (False; ``gather_params``). ``packed_units``: U > 0 when rows hold packed
+    documents (``per_sample``'s ``Packing``); the samples are then the U unit slots, not the rows.
     """
 
     captured: CapturedGraph
@@ -37,6 +38,7 @@ class PassContext:
     fsdp_rank: int = 0  # this rank's shard
     fsdp_sp_ranks: tuple = ()  # the sp rank of each member of the fsdp group, in group order
     reshard_after_forward: bool = True
+    packed_units: int = 0  # packed documents: U unit slots, the last input maps each token to one (0: not packed)
 
     def param_meta(self, name: str) -> dict:
         """The ``meta`` dict of trainable parameter ``name``'s placeholder, where passes

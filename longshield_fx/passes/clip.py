@@ -26,6 +26,11 @@ and the clip factor is computed in float64, whatever the compute dtype; only its
 to fp32 (2**-24) and the fp32 product remain. Embedding gradients in sparse-row form are
 clipped and summed from the token ids without a (B, V, H) tensor.
 
+Packed documents (``ctx.packed_units`` = U): the samples are the U + 1 unit slots of
+``per_sample`` (the last holds the padding tokens); a slot is counted when it holds tokens and is
+not the padding slot, instead of by the cotangent, which stays 1 per row (the loss is per row;
+what a row's padding adds to it is 0). Rows of embedding gradients carry their owner slot.
+
 Layers the ``ghost_norm`` pass moved to the ``outer`` form (g_b = L_bᵀ R_b) get their norms
 from float64 Gram matrices (ghost norm) and their clipped sum from matmuls over all samples'
 tokens (book-keeping). Both round on the per-token products l_bt r_btᵀ, whose size
@@ -70,10 +75,13 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     names = sorted(grads, key=lambda n: _available_at(grads[n], position))
     with graph.inserting_before(output):
         real = b(aten.gt.Scalar, mask, 0)
+        real_samples = _packed_real(b, rw.packing) if rw.packing else real
         grams = {}  # one float64 Gram per ghost-norm operand (q, k and v read the same input)
         sq, token_sizes = {}, {}  # token_sizes: A_b of each ghost layer (see _book_keeping)
         for name in names:
-            if grads[name].only_outer:
+            if grads[name].only_outer and rw.packing:
+                sq[name], token_sizes[name] = _packed_ghost_sq_norm(b, rw.packing, *grads[name].outer)
+            elif grads[name].only_outer:
                 sq[name], token_sizes[name] = _ghost_sq_norm(b, *grads[name].outer, grams)
             else:
                 sq[name] = _sq_norm(rw, b, grads[name])
@@ -84,12 +92,12 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for part in parts[1:]:
             total = b(aten.add.Tensor, total, part)
         norm = b(aten.sqrt.default, total)
-        keep = b(aten.logical_and.default, real, b(aten.isfinite.default, norm))
+        keep = b(aten.logical_and.default, real_samples, b(aten.isfinite.default, norm))
         per_layer = cfg.clipping == "per_layer"
         # Each ghost layer's book-keeping rounding bound, κ·A_b, counted against C. Per layer,
         # the ghost layers' thresholds C/sqrt(K) add up to (ghost layers)/sqrt(K) times C.
         thresholds = len(token_sizes) / math.sqrt(len(names)) if per_layer else 1.0
-        rounding = {name: b(aten.mul.Tensor, size, _book_keeping_kappa(grads[name], thresholds))
+        rounding = {name: b(aten.mul.Tensor, size, _book_keeping_kappa(grads[name], thresholds, rw.B))
                     for name, size in token_sizes.items()}
         if cfg.clipping == "flat":
             denominator = _plus(b, b(aten.add.Scalar, norm, _EPS), rounding.values())
@@ -105,15 +113,23 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 denominator = _plus(b, denominator, [rounding[name]] if name in rounding else [])
                 factors[name] = _min1(b, _ratio(b, threshold, denominator))
         factors = {name: b(aten.where.ScalarOther, keep, f, 0.0) for name, f in factors.items()}
-        sums = {name: _book_keeping(b, *grads[name].outer, factors[name], keep) if grads[name].only_outer
+        book_keeping = _packed_book_keeping if rw.packing else _book_keeping
+        sums = {name: book_keeping(b, *grads[name].outer, factors[name], keep, rw.packing) if grads[name].only_outer
                 else _weighted_sum(rw, b, grads[name], _fp32(b, factors[name]), keep) for name in names}
         sums = [sums[name] for name in ctx.captured.param_names]
-        loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, keep, loss, 0.0))
-        norms = b(aten.where.ScalarOther, real, norm, 0.0)
+        # Packed: the loss is per row and not covered by ε either way; its padding tokens add 0.
+        loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, real if rw.packing else keep, loss, 0.0))
+        norms = b(aten.where.ScalarOther, real_samples, norm, 0.0)
     output.args = ((loss_sum, norms, *sums),)
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _packed_real(b, packing) -> fx.Node:
+    """(U+1,) bool: the unit slots that hold tokens, the padding slot U never."""
+    slots = b(aten.arange.default, packing.U + 1, device=val(packing.counts).device)
+    return b(aten.logical_and.default, b(aten.gt.Scalar, packing.counts, 0), b(aten.lt.Scalar, slots, packing.U))
 
 
 def _available_at(g: PerSampleGrad, position: dict) -> int:
@@ -168,10 +184,13 @@ def _mask_rows(b, keep: fx.Node, x: fx.Node) -> fx.Node:
     return b(aten.where.ScalarOther, b(aten.view.default, keep, shape), x, 0.0)
 
 
-def _concat_rows(b, g: PerSampleGrad):
+def _concat_rows(b, g: PerSampleGrad) -> tuple:
+    """One ``rows`` entry holding all of ``g``'s: (indices, values) per sample, or packed
+    (indices, values, owner) flat."""
     if len(g.rows) == 1:
         return g.rows[0]
-    return (b(aten.cat.default, [i for i, _ in g.rows], 1), b(aten.cat.default, [v for _, v in g.rows], 1))
+    dim = 0 if len(g.rows[0]) == 3 else 1
+    return tuple(b(aten.cat.default, list(parts), dim) for parts in zip(*g.rows))
 
 
 def _sq_norm(rw: Rewriter, b, g: PerSampleGrad) -> fx.Node:
@@ -192,7 +211,7 @@ def _sq_norm(rw: Rewriter, b, g: PerSampleGrad) -> fx.Node:
             sq = b(aten.mul.Tensor, n, n)
             total = sq if total is None else b(aten.add.Tensor, total, sq)
         return total
-    return _rows_sq_norm(b, *_concat_rows(b, g), num_rows=g.shape[0])
+    return _rows_sq_norm(b, *_concat_rows(b, g), num_rows=g.shape[0], samples=rw.B)
 
 
 def _gamma(k: int) -> float:
@@ -244,14 +263,59 @@ def _ghost_sq_norm(b, left: fx.Node, right: fx.Node, grams: dict) -> tuple[fx.No
     return b(aten.add.Tensor, sq, bound), size
 
 
-def _book_keeping_kappa(g: PerSampleGrad, threshold_sum: float) -> float:
+def _book_keeping_kappa(g: PerSampleGrad, threshold_sum: float, samples: int) -> float:
     """κ such that clipping with κ·A_b in the denominator bounds the float64 book-keeping sum's
-    rounding, over the whole batch, by 2.5e-7·C (``threshold_sum`` = Σ thresholds / C)."""
-    B, T, _ = val(g.outer[0]).shape
-    return _gamma(B * T + 1) * B * threshold_sum / 2.5e-7
+    rounding, over the whole batch of ``samples`` samples, by 2.5e-7·C (``threshold_sum`` =
+    Σ thresholds / C)."""
+    tokens = val(g.outer[0]).shape[:-1].numel()
+    return _gamma(tokens + 1) * samples * threshold_sum / 2.5e-7
 
 
-def _book_keeping(b, left: fx.Node, right: fx.Node, factor: fx.Node, keep: fx.Node) -> fx.Node:
+def _packed_ghost_sq_norm(b, packing, left: fx.Node, right: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """``_ghost_sq_norm`` for packed documents: L and R are the N token rows sorted by unit, and
+    each unit's squared norm comes from its own rows (``longshield::segment_sq_norm``), raised by
+    its float64 rounding bound 2·γ_{n_u²+m·n+m+n+1}·A_u² (n_u: the unit's tokens; the op sums
+    n_u² Gram terms for a short unit, m·n squares of its product for a long one); A_u sums the
+    unit's ‖l_t‖·‖r_t‖ in float64."""
+    m, n = val(left).shape[1], val(right).shape[1]
+    sq = b(torch.ops.longshield.segment_sq_norm.default, left, right, packing.counts)
+    token_products = b(aten.mul.Tensor, b(aten.linalg_vector_norm.default, left, 2, [1], False, dtype=torch.float64),
+                       b(aten.linalg_vector_norm.default, right, 2, [1], False, dtype=torch.float64))
+    size = b(aten.index_add.default, b(aten.zeros.default, [packing.U + 1], dtype=torch.float64,
+                                       device=val(left).device), 0, packing.sorted_unit, token_products)
+    n_u = b(aten._to_copy.default, packing.counts, dtype=torch.float64)
+    ku = b(aten.mul.Tensor, b(aten.add.Scalar, b(aten.mul.Tensor, n_u, n_u), m * n + m + n + 1), 2.0 ** -53)
+    gamma = b(aten.div.Tensor, ku, b(aten.rsub.Scalar, ku, 1.0))
+    bound = b(aten.mul.Tensor, b(aten.mul.Tensor, b(aten.mul.Tensor, size, size), gamma), 2.0)
+    return b(aten.add.Tensor, sq, bound), size
+
+
+def _packed_book_keeping(b, left: fx.Node, right: fx.Node, factor: fx.Node, keep: fx.Node, packing) -> fx.Node:
+    """``_book_keeping`` for packed documents: Σ_t f_{u(t)} l_t r_tᵀ over the sorted token rows of
+    the units kept, in float64, in chunks of rows no larger than the per-unit gradients it
+    replaces; returned in fp32. The same rounding argument, with N tokens and U + 1 units."""
+    N, m = val(left).shape
+    n = val(right).shape[1]
+    row_factor = b(aten.index_select.default, b(aten.where.ScalarOther, keep, factor, 0.0), 0, packing.sorted_unit)
+    row_keep = b(aten.index_select.default, keep, 0, packing.sorted_unit)
+    step = max(1, (packing.U + 1) * m * n // (2 * (m + n)))
+    total = None
+    for start in range(0, N, step):
+        stop = min(N, start + step)
+
+        def rows(x):
+            return x if stop - start == N else b(aten.slice.Tensor, x, 0, start, stop)
+
+        kept = b(aten.view.default, rows(row_keep), [stop - start, 1])
+        l64 = b(aten._to_copy.default, b(aten.where.ScalarOther, kept, rows(left), 0.0), dtype=torch.float64)
+        r64 = b(aten._to_copy.default, b(aten.where.ScalarOther, kept, rows(right), 0.0), dtype=torch.float64)
+        scaled = b(aten.mul.Tensor, l64, b(aten.view.default, rows(row_factor), [stop - start, 1]))
+        lt = b(aten.t.default, scaled)
+        total = b(aten.mm.default, lt, r64) if total is None else b(aten.addmm.default, total, lt, r64)
+    return b(aten._to_copy.default, total, dtype=torch.float32)
+
+
+def _book_keeping(b, left: fx.Node, right: fx.Node, factor: fx.Node, keep: fx.Node, packing=None) -> fx.Node:
     """Σ_b f_b L_bᵀ R_b in float64, chunk by chunk of samples, returned in fp32.
 
     Why float64, and why the factor holds κ·A_b: the sum's rounding falls on the per-token
@@ -283,17 +347,24 @@ def _rows_of(b, x: fx.Node, part: slice, B: int) -> fx.Node:
     return x if part.stop - part.start == B else b(aten.slice.Tensor, x, 0, part.start, part.stop)
 
 
-def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, num_rows: int) -> fx.Node:
-    """‖g_b‖² for g_b = sum_j values[b, j] placed at row indices[b, j], from the ids.
+def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, owner: fx.Node | None = None, *, num_rows: int,
+                  samples: int) -> fx.Node:
+    """‖g_b‖² for g_b = sum_j values[b, j] placed at row indices[b, j], from the ids (packed:
+    sum over j with owner[j] = b of values[j] placed at row indices[j]).
 
     Sort the (sample, row) keys; equal keys are adjacent, so a cumulative count of key
     changes numbers the segments; index_add sums each segment's rows; the squared norms
     of the segment sums add up per sample. Fixed shapes: (B*n, H) at most.
     """
-    B, n = val(indices).shape
-    H = math.prod(val(values).shape[2:])
-    offsets = b(aten.mul.Tensor, b(aten.arange.default, B, device=val(indices).device), num_rows)
-    keys = b(aten.view.default, b(aten.add.Tensor, indices, b(aten.unsqueeze.default, offsets, 1)), [B * n])
+    if owner is None:
+        B, n = val(indices).shape
+        H = math.prod(val(values).shape[2:])
+        offsets = b(aten.mul.Tensor, b(aten.arange.default, B, device=val(indices).device), num_rows)
+        keys = b(aten.view.default, b(aten.add.Tensor, indices, b(aten.unsqueeze.default, offsets, 1)), [B * n])
+    else:
+        B, n = 1, val(indices).shape[0]
+        H = math.prod(val(values).shape[1:])
+        keys = b(aten.add.Tensor, indices, b(aten.mul.Tensor, owner, num_rows))
     sort = b(aten.sort.default, keys)
     sorted_keys, order = b(getitem, sort, 0), b(getitem, sort, 1)
     changed = b(aten.ne.Tensor, b(aten.slice.Tensor, sorted_keys, 0, 1, B * n),
@@ -308,8 +379,8 @@ def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, num_rows: int) -> fx.Nod
     sample_of_key = b(aten.div.Tensor_mode, sorted_keys, num_rows, rounding_mode="floor")
     seg_sample = b(aten.scatter.src, b(aten.zeros.default, [B * n], dtype=torch.int64, device=val(indices).device),
                    0, segment, sample_of_key)
-    return b(aten.index_add.default, b(aten.zeros.default, [B], dtype=torch.float64, device=val(values).device),
-             0, seg_sample, seg_sq)
+    return b(aten.index_add.default, b(aten.zeros.default, [samples], dtype=torch.float64,
+                                        device=val(values).device), 0, seg_sample, seg_sq)
 
 
 def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node) -> fx.Node:
@@ -319,7 +390,14 @@ def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.N
         out = b(aten.einsum.default, "b,b...->...", [factor, _mask_rows(b, keep, _fp32(b, dense))])
         return out
     V, row = g.shape[0], list(g.shape[1:])
-    indices, values = _concat_rows(b, g)
+    indices, values, *owner = _concat_rows(b, g)
+    if owner:  # packed: each row scaled by its unit's factor, a row of a unit not kept is 0 (even inf/nan)
+        shape = [-1] + [1] * len(row)
+        factor_of_row = b(aten.view.default, b(aten.index_select.default, factor, 0, owner[0]), shape)
+        keep_of_row = b(aten.view.default, b(aten.index_select.default, keep, 0, owner[0]), shape)
+        scaled = b(aten.where.ScalarOther, keep_of_row, b(aten.mul.Tensor, _fp32(b, values), factor_of_row), 0.0)
+        zeros = b(aten.zeros.default, [V, *row], dtype=torch.float32, device=val(values).device)
+        return b(aten.index_add_.default, zeros, 0, indices, scaled)
     B, n = val(indices).shape
     scaled = b(aten.mul.Tensor, _mask_rows(b, keep, _fp32(b, values)), b(aten.view.default, factor, [B, 1] + [1] * len(row)))
     zeros = b(aten.zeros.default, [V, *row], dtype=torch.float32, device=val(values).device)

@@ -30,6 +30,14 @@ per-sample gradient (bytes independent of T) gives the norm directly. Long conte
 also where ghost loses on its own terms: at T = 4096 it needs m·n ≥ 8192·(m+n), which no
 Llama 3 layer has (the 8B model's MLP, 14336×4096, pays up to T = 1592).
 
+Packed documents (``ctx.packed_units`` = U): a linear weight's per-unit gradients are one
+grouped matmul over the token rows sorted by unit (``longshield::segment_outer``), U + 1 of them
+for any number of tokens. The ``outer`` form keeps the sorted token rows instead, and ``clip``
+takes each unit's norm from its own rows (``longshield::segment_sq_norm``: Grams for a short
+unit, the unit's product for a long one) and the clipped sum by book-keeping over all tokens.
+Chosen when the U + 1 per-unit gradients would take more memory than twice the layer's token
+rows, (U+1)·m·n > 2·N·(m+n): many short documents, wide layers.
+
 Assumes: ``per_sample`` ran on a training graph in one process (cp = 1). Guarantees: every
 trainable parameter's placeholder has ``meta[NORM_METHOD]``, the method ``clip`` will use
 and why; a parameter moved to the ``outer`` form has exactly the same per-sample gradient
@@ -64,9 +72,15 @@ def ghost_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             meta[NORM_METHOD] = f"per-sample (rule {meta.get(PER_SAMPLE_RULE, '?')})"
             continue
         left, right = operands
-        T, m, n = val(left).shape[1], val(left).shape[2], val(right).shape[2]
-        compare = f"2T(p+d)={2 * T * (m + n)} {'≤' if prefers_ghost(T, m, n) else '>'} p·d={m * n}"
-        if prefers_ghost(T, m, n):
+        if ctx.packed_units:
+            N, m, n = val(left).shape[0], val(left).shape[1], val(right).shape[1]
+            ghost = (ctx.packed_units + 1) * m * n > 2 * N * (m + n)
+            compare = f"(U+1)·p·d={(ctx.packed_units + 1) * m * n} {'>' if ghost else '≤'} 2N(p+d)={2 * N * (m + n)}"
+        else:
+            T, m, n = val(left).shape[1], val(left).shape[2], val(right).shape[2]
+            ghost = prefers_ghost(T, m, n)
+            compare = f"2T(p+d)={2 * T * (m + n)} {'≤' if ghost else '>'} p·d={m * n}"
+        if ghost:
             meta[PER_SAMPLE_GRAD] = PerSampleGrad(g.shape, outer=(left, right))
             meta[NORM_METHOD] = f"ghost ({compare})"
         else:
@@ -91,6 +105,9 @@ def _outer_operands(g: PerSampleGrad) -> tuple[fx.Node, fx.Node] | None:
             node = node.args[0]
         else:
             break
+    if node.target == torch.ops.longshield.segment_outer.default:  # packed: sorted token rows
+        L, R = node.args[:2]
+        return (R, L) if swap else (L, R)
     if node.target != aten.einsum.default or len(node.args[1]) != 2:
         return None
     inputs, out = node.args[0].split("->")

@@ -21,6 +21,14 @@ Rewrites: the backward ops that reduce a weight gradient over the batch (found b
   are applied per sample, so a tied embedding gets both contributions of each sample.
 The rules are in ``per_sample_rules``; this module has the machinery and the pass.
 
+Packed documents (``ctx.packed_units`` = U): rows hold several documents and a document may
+span rows, so the samples are the U unit slots named per token by the last input, ``units``
+(B, T), and slot U takes the padding tokens. A per-sample reduction over the batch becomes a
+sum over each unit's tokens (``Packing``): linear weights as one grouped matmul over the tokens
+sorted by unit (``longshield::segment_outer``), sums (biases, norm weights) as an index_add by
+unit, embeddings as sparse rows with an owner per row, ``(ids, values, owner)``. The per-sample
+gradients then have U + 1 rows; the last, the padding slot, is never counted (``clip``).
+
 Assumes: ``batch_dims`` has tagged the graph; a trainable parameter the loss never reaches
 has a ``zeros_like`` gradient (``capture`` puts it there) and gets zero per-sample gradients.
 
@@ -39,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .. import ops  # noqa: F401  (registers longshield::segment_outer)
 from ..errors import UnsupportedModelError
 from ._context import PER_SAMPLE_GRAD, PER_SAMPLE_RULE, PassContext
 from ._graph import CONSTANT_LIKE, GraphBuilder, is_pointwise, module_of, val
@@ -53,9 +62,12 @@ class PerSampleGrad:
 
     Sample b's gradient is ``dense[b]`` plus, for each ``(indices, values)`` in ``rows``,
     ``values[b, j]`` added to row ``indices[b, j]``, plus ``L[b]ᵀ R[b]`` for ``outer = (L, R)``.
+    With packed documents a ``rows`` entry is ``(indices, values, owner)``: indices (n,),
+    values (n, *shape[1:]) and owner (n,), the unit slot each row belongs to.
     ``dense`` is (B, *shape) or None; ``indices`` is (B, n) int64 and ``values``
     (B, n, *shape[1:]); ``L`` is (B, T, shape[0]) and ``R`` (B, T, shape[1]) (the
-    ``ghost_norm`` pass makes this form; ``clip`` never densifies it).
+    ``ghost_norm`` pass makes this form; ``clip`` never densifies it); packed, ``L`` (N, shape[0])
+    and ``R`` (N, shape[1]) are the N token rows sorted by unit (``Packing.sorted``).
     """
 
     shape: tuple
@@ -80,8 +92,9 @@ class Rewriter:
 
     def __init__(self, gm: fx.GraphModule, ctx: PassContext):
         self.graph = gm.graph
-        self.B = ctx.batch_size
         self.call = GraphBuilder(gm.graph, ctx.captured.fake_mode)
+        self.packing = Packing.of(gm, ctx, self.call) if ctx.packed_units else None
+        self.B = ctx.packed_units + 1 if self.packing else ctx.batch_size
         self._memo: dict[fx.Node, tuple[PerSampleGrad, set[str]]] = {}  # piece -> (its form, rules used)
         self.param = ""
         self.rules: set[str] = set()
@@ -123,6 +136,8 @@ class Rewriter:
         already has that shape, so ``view(g3d, (B*T, p))`` unfolds back to ``g3d``.
         """
         tag: BatchDim = batch_dim(node)
+        if self.packing:
+            raise self.packing.unsupported(self.param, node)
         if tag.outer != 1:  # a sample's rows recur in every block: no (B, ...) view collects them
             raise UnsupportedModelError(
                 f"parameter {self.param!r}: its gradient reduces {node.name} ({node.target}, from "
@@ -148,6 +163,8 @@ class Rewriter:
 
     def per_sample_sum(self, node: fx.Node, dims, out_shape) -> fx.Node:
         """Per-sample version of ``sum(node, dims)`` where dims include the batch dim."""
+        if self.packing:
+            return self.packing.unit_sum(self.param, node, dims, out_shape)
         tag = batch_dim(node)
         if tag.outer != 1:  # sum each sample's copies over the blocks first: what is left is untiled
             shape, d = list(val(node).shape), tag.dim
@@ -181,6 +198,9 @@ class Rewriter:
                 f"parameter {self.param!r}: no per-sample rule for {op} (node {node.name}, "
                 f"from {module_of(node)}) on the path to its gradient. Way out: freeze the parameter "
                 "(requires_grad=False) or register a rule with @longshield_fx.per_sample_rule(op).")
+        if self.packing and getattr(rule, "rule_name", None) not in _PACKED_RULES \
+                and any(batch_dim(a) is not None for a in node.all_input_nodes):
+            raise self.packing.unsupported(self.param, node)
         outer, self.rules = self.rules, set()
         with self.graph.inserting_before(node):
             out = rule(self, node)
@@ -200,7 +220,10 @@ class Rewriter:
     def densify(self, g: PerSampleGrad) -> fx.Node:
         """(B, *shape) dense form; index_add of sparse rows into a flat (B*V, ·) buffer."""
         if g.outer:
-            outer = self.call(aten.einsum.default, "btm,btn->bmn", list(g.outer))
+            if self.packing:  # token rows sorted by unit
+                outer = self.call(torch.ops.longshield.segment_outer.default, *g.outer, self.packing.counts)
+            else:
+                outer = self.call(aten.einsum.default, "btm,btn->bmn", list(g.outer))
             if g.dense is None and not g.rows:
                 return outer
             return self.call(aten.add.Tensor, self.densify(PerSampleGrad(g.shape, g.dense, g.rows)), outer)
@@ -211,13 +234,120 @@ class Rewriter:
         dtype = val(g.rows[0][1]).dtype
         flat = self.call(aten.zeros.default, [B * V, *row], dtype=dtype, device=val(g.rows[0][1]).device)
         offsets = self.call(aten.mul.Tensor, self.call(aten.arange.default, B, device=val(g.rows[0][0]).device), V)
-        for indices, values in g.rows:
+        for indices, values, *owner in g.rows:
+            if owner:  # packed: flat rows, each with its unit slot
+                idx = self.call(aten.add.Tensor, indices, self.call(aten.mul.Tensor, owner[0], V))
+                flat = self.call(aten.index_add.default, flat, 0, idx, values)
+                continue
             n = val(indices).shape[1]
             idx = self.call(aten.add.Tensor, indices, self.call(aten.unsqueeze.default, offsets, 1))
             flat = self.call(aten.index_add.default, flat, 0, self.call(aten.view.default, idx, [B * n]),
                              self.call(aten.view.default, values, [B * n, *row]))
         out = self.call(aten.view.default, flat, [B, V, *row])
         return out if g.dense is None else self.call(aten.add.Tensor, g.dense, out)
+
+
+class Packing:
+    """The geometry of a packed batch (see the module docstring): the ``units`` input (B, T)
+    flattened to one unit slot per token (``unit``), sorted (``sorted_unit``, stable, with the
+    tokens' ``order``) and each slot's token count (``counts``). Each is made at its first use,
+    right after the placeholders, and made again if a pass's dead-code elimination removed it."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, call: GraphBuilder):
+        captured = ctx.captured
+        self.units = max(((p, key) for p, (kind, key) in zip(captured.placeholders, captured.inputs)
+                          if kind == "input"), key=lambda pk: pk[1])[0]
+        self.rows, self.T = val(self.units).shape
+        self.U = ctx.packed_units
+        self.graph, self.call = gm.graph, call
+        self._nodes: dict[str, fx.Node] = {}
+        self._made: set[fx.Node] = set()
+
+    def _node(self, name: str, build) -> fx.Node:
+        node = self._nodes.get(name)
+        if node is None or node._erased:
+            # The placeholders, then the nodes made here (and their inputs), then the rest.
+            ours = {n for n in self._made if not n._erased}
+            first = next(n for n in self.graph.nodes if n.op != "placeholder" and n not in ours)
+            with self.graph.inserting_before(first):
+                node = self._nodes[name] = build()
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                if n.op != "placeholder" and n not in self._made:
+                    self._made.add(n)
+                    stack += n.all_input_nodes
+        return node
+
+    @property
+    def unit(self) -> fx.Node:
+        return self._node("unit", lambda: self.call(aten.view.default, self.units, [self.rows * self.T]))
+
+    def _sort(self) -> fx.Node:
+        unit = self.unit
+        return self._node("sort", lambda: self.call(aten.sort.stable, unit, stable=True))
+
+    @property
+    def sorted_unit(self) -> fx.Node:
+        sort = self._sort()
+        return self._node("sorted_unit", lambda: self.call(operator.getitem, sort, 0))
+
+    @property
+    def order(self) -> fx.Node:
+        sort = self._sort()
+        return self._node("order", lambda: self.call(operator.getitem, sort, 1))
+
+    @property
+    def counts(self) -> fx.Node:
+        unit = self.unit
+
+        def build():
+            zeros = self.call(aten.zeros.default, [self.U + 1], dtype=torch.int64, device=val(unit).device)
+            return self.call(aten.index_add.default, zeros, 0, unit, self.call(aten.ones_like.default, unit))
+
+        return self._node("counts", build)
+
+    @staticmethod
+    def of(gm: fx.GraphModule, ctx: PassContext, call: GraphBuilder) -> "Packing":
+        """The graph's ``Packing``, made by the first pass that asks."""
+        if "packing" not in gm.meta:
+            gm.meta["packing"] = Packing(gm, ctx, call)
+        return gm.meta["packing"]
+
+    def unsupported(self, param: str, node: fx.Node) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"parameter {param!r}: with packed documents its gradient comes through {node.name} "
+            f"({node.target}, from {module_of(node)}), which has no per-unit rule (linear layers, embeddings, "
+            "biases and norm weights have one). Way out: train on unpacked batches (compile without packed_units, "
+            "CLI --no-pack) or freeze the parameter.")
+
+    def tokens(self, param: str, node: fx.Node) -> tuple[fx.Node, int]:
+        """``node`` as (B*T, ...) token rows in ``units``' order, and how many of its leading
+        dims those rows were (1: already B*T rows; 2: (B, T, ...))."""
+        tag, shape = batch_dim(node), list(val(node).shape)
+        if isinstance(tag, BatchDim) and tag.dim == 0 and tag.outer == 1:
+            if tag.inner == self.T and shape[0] == self.rows * self.T:
+                return node, 1
+            if tag.inner == 1 and len(shape) >= 2 and shape[:2] == [self.rows, self.T]:
+                return self.call(aten.reshape.default, node, [self.rows * self.T, *shape[2:]]), 2
+        raise self.unsupported(param, node)
+
+    def sorted(self, tokens: fx.Node) -> fx.Node:
+        """Token rows grouped by unit slot, slot 0 first."""
+        return self.call(aten.index_select.default, tokens, 0, self.order)
+
+    def unit_sum(self, param: str, node: fx.Node, dims, out_shape) -> fx.Node:
+        """Per-unit ``sum(node, dims)`` where dims include the token dims: (U+1, *out_shape)."""
+        tokens, lead = self.tokens(param, node)
+        if not set(range(lead)) <= {d % val(node).dim() for d in dims}:
+            raise self.unsupported(param, node)
+        rest = [d % val(node).dim() - lead + 1 for d in dims if d % val(node).dim() >= lead]
+        if rest:
+            tokens = self.call(aten.sum.dim_IntList, tokens, rest)
+        zeros = self.call(aten.zeros.default, [self.U + 1, *val(tokens).shape[1:]], dtype=val(tokens).dtype,
+                          device=val(tokens).device)
+        out = self.call(aten.index_add.default, zeros, 0, self.unit, tokens)
+        return self.call(aten.view.default, out, [self.U + 1, *out_shape])
 
 
 def _batch_derived(graph: fx.Graph) -> set[fx.Node]:
@@ -234,6 +364,8 @@ def _batch_derived(graph: fx.Graph) -> set[fx.Node]:
 
 # ---------------------------------------------------------------------------------------
 _RULES: dict = {}
+# The rules that reduce a batch-tagged tensor and know packed documents (``Packing``).
+_PACKED_RULES = {"linear", "sum", "layer_norm", "embedding"}
 
 
 def per_sample_rule(*ops, name: str | None = None):

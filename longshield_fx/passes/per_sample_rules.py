@@ -27,6 +27,8 @@ def _contraction(labels_a: str, labels_b: str, labels_out: str):
 
     def rule(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
         a, b = node.args
+        if rw.packing and (batch_dim(a) is not None or batch_dim(b) is not None):
+            return _packed_linear(rw, node)
         if batch_dim(a) is None and batch_dim(b) is None:  # a piece already reduced upstream
             if a in rw.batch_derived and b not in rw.batch_derived:
                 return _dense(rw, node, rw.call(aten.matmul.default, _input_rep(rw, node, a), b))
@@ -44,6 +46,33 @@ def _contraction(labels_a: str, labels_b: str, labels_out: str):
         return _dense(rw, node, rw.call(aten.einsum.default, f"{la},{lb}->b{labels_out}", [xa, xb]))
 
     return rule
+
+
+def _packed_linear(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """``mm(a, b)`` contracting the B*T token rows, per unit slot: both operands as token rows
+    sorted by unit, then one grouped matmul (``longshield::segment_outer``)."""
+    a, b = node.args
+    left = _token_rows(rw, node, a, contracted_dim=1)
+    right = _token_rows(rw, node, b, contracted_dim=0)
+    packing = rw.packing
+    out = rw.call(torch.ops.longshield.segment_outer.default, packing.sorted(left), packing.sorted(right),
+                  packing.counts)
+    return _dense(rw, node, out)
+
+
+def _token_rows(rw: Rewriter, node: fx.Node, x: fx.Node, contracted_dim: int) -> fx.Node:
+    """A 2-D matmul operand as (B*T, other dim), whether it holds the tokens on its contracted
+    dim itself or through a transpose of a tagged tensor."""
+    tag = batch_dim(x)
+    if tag is not None and tag.dim == contracted_dim:
+        if contracted_dim == 1:
+            x = rw.call(aten.t.default, x)
+            x.meta["batch_dim"] = BatchDim(0, tag.inner, tag.outer)
+        return rw.packing.tokens(rw.param, x)[0]
+    if x.target in (aten.t.default, aten.transpose.int, aten.permute.default) and val(x).dim() == 2 \
+            and batch_dim(x.args[0]) is not None and batch_dim(x.args[0]).dim == 1 - contracted_dim:
+        return rw.packing.tokens(rw.param, x.args[0])[0]
+    raise rw.packing.unsupported(rw.param, node)
 
 
 def _pair_shared_rows(rw: Rewriter, a: fx.Node, labels_a: str, b: fx.Node, labels_b: str) -> tuple:
@@ -188,6 +217,8 @@ def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
             "which mixes samples. Way out: scale_grad_by_freq=False.")
     B = rw.B
     H = val(node).shape[1]
+    if rw.packing:
+        return _packed_embedding(rw, node)
     if batch_dim(grad) is not None:
         values, _ = rw.unfold(grad)
     else:
@@ -205,6 +236,21 @@ def _embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
         is_pad = rw.call(aten.unsqueeze.default, rw.call(aten.eq.Scalar, ids, padding_idx), 2)
         values = rw.call(aten.mul.Tensor, values, rw.call(aten.logical_not.default, is_pad))
     return PerSampleGrad(tuple(val(node).shape), None, ((ids, values),))
+
+
+def _packed_embedding(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """An embedding's gradient with packed documents: one sparse row per token, owned by the
+    token's unit slot."""
+    grad, indices, _, padding_idx, _ = node.args
+    packing = rw.packing
+    if batch_dim(grad) is None or batch_dim(indices) is None:
+        raise packing.unsupported(rw.param, node)
+    values = packing.tokens(rw.param, grad)[0]
+    ids = packing.tokens(rw.param, indices)[0]
+    if padding_idx is not None and padding_idx >= 0:
+        is_pad = rw.call(aten.unsqueeze.default, rw.call(aten.eq.Scalar, ids, padding_idx), 1)
+        values = rw.call(aten.mul.Tensor, values, rw.call(aten.logical_not.default, is_pad))
+    return PerSampleGrad(tuple(val(node).shape), None, ((ids, values, packing.unit),))
 
 
 _ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
@@ -299,7 +345,7 @@ def _scale(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
         return _dense(rw, node, rw.call(node.target, x, b))
     g = rw.rep(a)
     dense = rw.call(node.target, g.dense, b) if g.dense is not None else None
-    rows = tuple((i, rw.call(node.target, v, b)) for i, v in g.rows)
+    rows = tuple((i, rw.call(node.target, v, b), *o) for i, v, *o in g.rows)
     return PerSampleGrad(g.shape, dense, rows)
 
 
@@ -307,7 +353,7 @@ def _scale(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
 def _neg(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     g = rw.rep(node.args[0])
     dense = rw.call(aten.neg.default, g.dense) if g.dense is not None else None
-    return PerSampleGrad(g.shape, dense, tuple((i, rw.call(aten.neg.default, v)) for i, v in g.rows))
+    return PerSampleGrad(g.shape, dense, tuple((i, rw.call(aten.neg.default, v), *o) for i, v, *o in g.rows))
 
 
 @per_sample_rule(aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default,
@@ -315,7 +361,7 @@ def _neg(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
 def _cast(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     g = rw.rep(node.args[0])
     dense = rw.call(node.target, g.dense, *node.args[1:], **node.kwargs) if g.dense is not None else None
-    rows = tuple((i, rw.call(node.target, v, *node.args[1:], **node.kwargs)) for i, v in g.rows)
+    rows = tuple((i, rw.call(node.target, v, *node.args[1:], **node.kwargs), *o) for i, v, *o in g.rows)
     return PerSampleGrad(g.shape, dense, rows)
 
 

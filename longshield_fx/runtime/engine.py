@@ -58,8 +58,10 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None, checkpoint=None,
-                 disable_passes=(), inner_ring: int | None = None, fsdp=None, reshard_after_forward: bool = True):
+                 disable_passes=(), inner_ring: int | None = None, fsdp=None, reshard_after_forward: bool = True,
+                 packed_units: int = 0):
         self.model = model
+        self.packed_units = packed_units
         self.checkpoint = checkpoint
         self.config = config
         self.parallel = Parallel.from_mesh(model, mesh, inner_ring)
@@ -71,11 +73,11 @@ class Engine:
         # only in "train"), and a name that is in neither is an error (raised here).
         cp = self.parallel.sp  # the sequence-parallel degree decides the passes
         sharded = self.sharding is not None
-        in_per_sample = {p.__name__ for p in pipeline(training=False, cp=cp, checkpointing=checkpoint, fsdp=sharded)}
+        layout = dict(cp=cp, checkpointing=checkpoint, fsdp=sharded, packed=bool(packed_units))
+        in_per_sample = {p.__name__ for p in pipeline(training=False, **layout)}
         self.pipelines = {
-            "train": pipeline(training=True, cp=cp, checkpointing=checkpoint, fsdp=sharded, disable=disable_passes),
-            "per_sample": pipeline(training=False, cp=cp, checkpointing=checkpoint, fsdp=sharded,
-                                   disable=set(disable_passes) & in_per_sample)}
+            "train": pipeline(training=True, **layout, disable=disable_passes),
+            "per_sample": pipeline(training=False, **layout, disable=set(disable_passes) & in_per_sample)}
         if sharded:  # last of the checks: from here on the model's parameters are DTensor shards
             self.sharding.shard_model(model)
         self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
@@ -228,7 +230,7 @@ class Engine:
         ctx = PassContext(captured, B, self.config, sp_size=par.sp, sp_group_name=par.sp_group_name,
                           sp_rank=par.sp_rank, cp_size=par.cp, cp_group_name=par.cp_group_name,
                           cp_inner=par.inner_ring, hp_size=par.hp, hp_group_name=par.hp_group_name,
-                          checkpoint=self.checkpoint, **self._fsdp_context())
+                          checkpoint=self.checkpoint, packed_units=self.packed_units, **self._fsdp_context())
         # Passes first: a pass names a mixing op (batch norm) better than the mutation does.
         lowered = lower(ctx, self.pipelines[graph])
         if captured.mutations:
@@ -277,6 +279,21 @@ class Engine:
                 "graph has fixed shapes. Pad to a fixed physical batch and pass mask= "
                 "(longshield_fx.data.PoissonBatches does this)")
 
+    def _check_units(self, units: torch.Tensor) -> int:
+        """Check a packed batch's last tensor, the unit slot of each token (padding: U), and
+        return how many of the U slots hold tokens (the samples of this physical batch)."""
+        U = self.packed_units
+        if units.dim() != 2 or units.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"engine: with packed_units the last batch tensor is the (B, T) integer unit slot of "
+                             f"each token, got {tuple(units.shape)} {units.dtype}")
+        if units.shape[0] < 2:
+            raise ValueError("engine: a packed physical batch needs at least 2 rows (a batch of one row may run as "
+                             "two copies of it, which would count each of its units twice); pack into rows >= 2")
+        if bool(((units < 0) | (units > U)).any()):
+            raise ValueError(f"engine: unit slots must lie in [0, {U}] ({U}: padding), got values in "
+                             f"[{int(units.min())}, {int(units.max())}]")
+        return int((torch.bincount(units.flatten().long(), minlength=U + 1)[:U] > 0).sum())
+
     def _dtype(self):
         return None if self.config is None else self.config.compute_dtype
 
@@ -292,6 +309,11 @@ class Engine:
         if B == 0:
             raise ValueError("engine.accumulate: an empty physical batch (0 rows); physical batches have a fixed "
                              "size and an empty Poisson draw is a batch of masked rows (LogicalBatch.physical)")
+        if self.packed_units:
+            if mask is not None:
+                raise ValueError("engine.accumulate: packed batches take no mask: a unit slot no token maps to "
+                                 "is no sample (longshield_fx.packing.pack_documents fills the slots)")
+            real_units = self._check_units(batch[-1])
         if mask is None:
             mask = torch.ones(B)
         mask = torch.as_tensor(mask)
@@ -314,11 +336,11 @@ class Engine:
         with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             loss_sum, norms, *sums = gm(*args)
             loss_sum = self.parallel.sum_over_sp(loss_sum)
-        norms = norms[:B]  # a padded copy is no sample
+        norms = norms[:self.packed_units or B]  # a padded copy (or the padding slot) is no sample
         nonfinite = int((~torch.isfinite(norms)).sum())
         self.nonfinite_samples += nonfinite
         self._nonfinite_step += nonfinite
-        self._accumulated += int(mask.sum())
+        self._accumulated += real_units if self.packed_units else int(mask.sum())
         if self._accum is None:
             self._accum = {n: s.clone() for n, s in zip(captured.param_names, sums)}
         else:
@@ -392,6 +414,8 @@ class Engine:
         if B == 0:  # no sample, no gradient: nothing to capture
             return {n: torch.zeros(0, *p.shape, dtype=p.dtype, device=batch[0].device)
                     for n, p in self.model.named_parameters() if p.requires_grad}
+        if self.packed_units:
+            self._check_units(batch[-1])
         lowered = self.lower(*batch, graph="per_sample")
         captured, gm = lowered.captured, lowered.gm
         batch, cotangent = self._padded(batch, torch.ones(B, dtype=val(captured.cotangent_placeholder()).dtype,
@@ -400,7 +424,7 @@ class Engine:
         with torch.no_grad(), self.parallel.collective_errors(), self.parallel.model_rng():
             _, *grads = gm(*args)
             # Each cp rank holds the partial gradient of its tokens; the full one is their sum.
-            grads = [self.parallel.sum_over_sp(g)[:B] for g in grads]
+            grads = [self.parallel.sum_over_sp(g)[:self.packed_units or B] for g in grads]
         return dict(zip(captured.param_names, grads))
 
     # --- checkpoints ----------------------------------------------------------------------

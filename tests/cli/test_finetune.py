@@ -85,6 +85,11 @@ def test_own_model_and_documents_train_and_the_saved_model_reloads(world):
     # The loader's report: units, rows, truncation, the skipped non-UTF-8 file.
     assert "data: " in r.stdout and "50 units (50 documents)" in r.stdout and "4 rows per unit" in r.stdout
     assert "units truncated" in r.stdout and "(non-UTF-8: 1, empty: 0, one file reached twice: 0)" in r.stdout, r.stdout
+    # Packed by default (one process): several units per row, far less padding than R rows per unit.
+    assert "packed into physical batches of" in r.stdout and "packing (NOT covered by DP): " in r.stdout, r.stdout
+    packing = json.loads((run / "summary.json").read_text())["not_covered_by_dp"]["packing"]
+    assert packing["padding_fraction"] < packing["padding_fraction_unpacked"] and packing["pieces_per_row"] > 1
+    assert json.loads((run / "signature.json").read_text())["corpus"]["layout"] == "packed"
     assert (run / "model" / "model.safetensors").is_file() and (run / "model" / "tokenizer.json").is_file()
     saved = transformers.AutoModelForCausalLM.from_pretrained(run / "model")
     ids = torch.randint(0, saved.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -117,8 +122,10 @@ def test_lora_trains_only_the_adapters_and_saves_merged_or_as_adapter(world):
 
     adapter_run = world / "lora-adapter"
     r = run_in_process(["train", "--model", world / "random", "--data", world / "data", *QUICK, "--lora", 4,
-                        "--lora-save", "adapter", "--steps", 1, "--out", adapter_run], world)
+                        "--lora-save", "adapter", "--steps", 1, "--no-pack", "--out", adapter_run], world)
     assert r.returncode == 0, r.stderr
+    assert "physical batch 8" in r.stdout and "packing" not in r.stdout  # --no-pack: R padded rows per unit
+    assert "packing" not in json.loads((adapter_run / "summary.json").read_text())["not_covered_by_dp"]
     assert (adapter_run / "model" / "adapter_config.json").is_file()
     adapter = peft.AutoPeftModelForCausalLM.from_pretrained(adapter_run / "model")
     torch.testing.assert_close(logits(adapter, ids), logits(trained_lm(world, adapter_run, lora=4), ids),
@@ -233,7 +240,7 @@ PUBLIC = {
     "signature.json": {"init_seed", "dp.max_grad_norm", "dp.noise_multiplier", "dp.clipping", "dp.expected_batch_size",
                        "dp.delta", "dp.accountant", "dp.insecure_seed", "dp.target_epsilon", "seq_len",
                        "physical_batch_size", "steps", "corpus.unit", "corpus.data_path_sha256", "corpus.max_rows",
-                       "corpus.unit_key", "corpus.eval_fraction", "corpus.split_seed", "optimizer.name",
+                       "corpus.unit_key", "corpus.layout", "corpus.eval_fraction", "corpus.split_seed", "optimizer.name",
                        "optimizer.lr", "optimizer.weight_decay"},
     "metrics.jsonl": {"step", "epsilon", "delta", "sigma"},
 }

@@ -1,0 +1,192 @@
+"""Packed documents: several privacy units per row, each unit still one sample.
+
+A unit (a document, or every document of one person) is held as pieces of at most T tokens:
+each document cut into rows' worth of tokens, its last piece shorter. ``pack_documents``
+places the pieces of many units into fixed-shape physical batches of B rows of T tokens,
+first-fit decreasing, so short documents share rows instead of each padding a row of its own.
+Every unit's pieces go into one physical batch (its gradient is clipped whole there), a piece
+never straddles two rows, and a physical batch holds at most U units: its unit slots.
+
+A physical batch is four (B, T) tensors, ``PackedBatch.tensors()``: the token ids, the
+labels (-100 on padding), the position of each token within its piece (0 at the piece's first
+token) and the unit slot of each token (U for padding). ``PackedCausalLMLoss`` attends within
+a piece only and never predicts a piece's first token from the piece before it, and
+``compile(..., packed_units=U)`` clips and sums per unit slot, so a unit's gradient is what
+it would be with each of its pieces in a row of its own.
+
+A unit longer than one physical batch (more than B rows' worth of pieces) keeps the pieces
+that fit, longest first, and the dropped tokens are counted (``PackingStats.dropped_tokens``):
+choose B·T above the longest unit to train on everything.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from .data import PoissonBatches
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """One physical batch of packed units (see the module docstring). ``members[s]`` is the
+    index, in the caller's list of units, of the unit in slot s."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    units: torch.Tensor
+    members: list[int]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(input_ids, labels, position_ids, units)``: what ``engine.accumulate`` takes."""
+        return self.input_ids, self.labels, self.position_ids, self.units
+
+
+@dataclasses.dataclass
+class PackingStats:
+    """What packing cost: token slots that hold padding, units per row, tokens left out."""
+
+    batches: int
+    token_slots: int
+    padding_slots: int
+    units: int
+    rows_used: int
+    pieces: int
+    dropped_tokens: int
+    truncated_units: int
+
+    @property
+    def padding_fraction(self) -> float:
+        return self.padding_slots / self.token_slots if self.token_slots else 0.0
+
+    @property
+    def pieces_per_row(self) -> float:
+        return self.pieces / self.rows_used if self.rows_used else 0.0
+
+
+def unit_pieces(documents: Sequence[Sequence[int]], seq_len: int) -> list[list[int]]:
+    """A unit's documents cut into pieces of at most ``seq_len`` tokens; a piece of fewer than
+    2 tokens predicts nothing and is left out."""
+    pieces = []
+    for doc in documents:
+        doc = list(doc)
+        pieces += [doc[i:i + seq_len] for i in range(0, len(doc), seq_len) if len(doc) - i >= 2]
+    return pieces
+
+
+def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, rows: int, unit_slots: int,
+                   pad_id: int = 0) -> tuple[list[PackedBatch], PackingStats]:
+    """Pack ``units`` (each a list of documents, each a list of token ids) into physical batches
+    of ``rows`` x ``seq_len`` tokens holding at most ``unit_slots`` units each (see the module
+    docstring). Units without a piece of 2 tokens are left out (no slot)."""
+    if seq_len < 2 or rows < 2 or unit_slots < 1:
+        raise ValueError(f"pack_documents: need seq_len >= 2, rows >= 2 (the engine runs no packed batch of one row), "
+                         f"unit_slots >= 1, got {seq_len}, {rows}, {unit_slots}")
+    pieces = [sorted(unit_pieces(docs, seq_len), key=len, reverse=True) for docs in units]
+    dropped = truncated = 0
+    for i, ps in enumerate(pieces):  # a unit fits one physical batch: at most `rows` pieces of it
+        if len(ps) > rows:
+            dropped += sum(map(len, ps[rows:]))
+            truncated += 1
+            pieces[i] = ps[:rows]
+    order = sorted((i for i, ps in enumerate(pieces) if ps), key=lambda i: -sum(map(len, pieces[i])))
+    batches: list[tuple[list[int], list[list[tuple[int, list[int]]]]]] = []  # (members, rows of (slot, piece))
+    for i in order:
+        for members, rows_of in batches:
+            if len(members) < unit_slots and _place(rows_of, len(members), pieces[i], seq_len):
+                members.append(i)
+                break
+        else:
+            rows_of: list[list[tuple[int, list[int]]]] = [[] for _ in range(rows)]
+            if not _place(rows_of, 0, pieces[i], seq_len):
+                raise AssertionError("a unit of at most `rows` pieces fits an empty batch")
+            batches.append(([i], rows_of))
+    out = [_tensors(members, rows_of, seq_len, unit_slots, pad_id) for members, rows_of in batches]
+    placed = sum(len(p) for members, _ in batches for i in members for p in pieces[i])
+    slots = len(batches) * rows * seq_len
+    used_rows = sum(1 for _, rows_of in batches for r in rows_of if r)
+    stats = PackingStats(len(batches), slots, slots - placed, len(order), used_rows,
+                         sum(len(pieces[i]) for i in order), dropped, truncated)
+    return out, stats
+
+
+def empty_batch(rows: int, seq_len: int, unit_slots: int, pad_id: int = 0) -> PackedBatch:
+    """A physical batch of padding alone (a logical batch that drew no unit; an example to compile on)."""
+    return _tensors([], [[] for _ in range(rows)], seq_len, unit_slots, pad_id)
+
+
+def _place(rows_of: list, slot: int, pieces: list[list[int]], seq_len: int) -> bool:
+    """First fit of each piece (longest first) into the rows; all or nothing."""
+    free = [seq_len - sum(len(p) for _, p in r) for r in rows_of]
+    chosen = []
+    for piece in pieces:
+        row = next((r for r, f in enumerate(free) if f >= len(piece)), None)
+        if row is None:
+            return False
+        free[row] -= len(piece)
+        chosen.append(row)
+    for row, piece in zip(chosen, pieces):
+        rows_of[row].append((slot, piece))
+    return True
+
+
+def _tensors(members, rows_of, seq_len: int, unit_slots: int, pad_id: int) -> PackedBatch:
+    B = len(rows_of)
+    ids = torch.full((B, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((B, seq_len), -100, dtype=torch.long)
+    positions = torch.zeros(B, seq_len, dtype=torch.long)
+    units = torch.full((B, seq_len), unit_slots, dtype=torch.long)
+    for r, row in enumerate(rows_of):
+        t = 0
+        for slot, piece in sorted(row, key=lambda sp: sp[0]):  # a row's pieces in slot order
+            n = len(piece)
+            ids[r, t:t + n] = labels[r, t:t + n] = torch.tensor(piece)
+            positions[r, t:t + n] = torch.arange(n)
+            units[r, t:t + n] = slot
+            t += n
+        positions[r, t:] = torch.arange(seq_len - t)  # the padding: one segment of its own
+    return PackedBatch(ids, labels, positions, units, list(members))
+
+
+class PackedPoissonBatches(PoissonBatches):
+    """Poisson sampling over units, then the sampled units packed into physical batches.
+
+    Every unit joins a logical batch independently with probability ``sample_rate`` (the
+    draw, its secret stream, ``steps``, ``state_dict`` and ``insecure_seed`` are
+    ``PoissonBatches``'s), so q and the expected batch size count units, whatever their
+    lengths. The sampled units are then packed (``pack_documents``): how many physical batches
+    a logical batch needs depends on the units drawn and is not released; a logical batch
+    that drew no unit is one physical batch of padding, run and noised like any other. Each
+    physical batch is ``(PackedBatch.tensors(), None)``: no mask, the unit slots say who is in it.
+
+    ``units``: a list of units, each a list of documents (lists of token ids). A unit with no
+    piece of 2 tokens predicts nothing and is refused (it would count in q·N without a sample);
+    a unit longer than one physical batch is cut to the pieces that fit, and counted
+    (``truncated_units``, ``dropped_tokens``).
+    """
+
+    def __init__(self, units, sample_rate: float, *, seq_len: int, rows: int, unit_slots: int, pad_id: int = 0,
+                 insecure_seed: int | None = None, steps: int | None = None) -> None:
+        pieces = [sorted(unit_pieces(docs, seq_len), key=len, reverse=True) for docs in units]
+        empty = [i for i, ps in enumerate(pieces) if not ps]
+        if empty:
+            more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+            raise ValueError(f"PackedPoissonBatches: unit {empty[0]}{more} has no piece of 2 tokens: it predicts "
+                             "nothing. Leave such units out")
+        self.truncated_units = sum(len(ps) > rows for ps in pieces)
+        self.dropped_tokens = sum(sum(map(len, ps[rows:])) for ps in pieces)
+        self._pieces = [ps[:rows] for ps in pieces]
+        self._sampling(len(units), sample_rate, steps, insecure_seed)
+        self.physical_batch_size = rows
+        self.seq_len, self.unit_slots, self.pad_id = seq_len, unit_slots, pad_id
+
+    def _physical(self, indices: torch.Tensor) -> list:
+        packed, _ = pack_documents([self._pieces[i] for i in indices.tolist()], seq_len=self.seq_len,
+                                   rows=self.physical_batch_size, unit_slots=self.unit_slots, pad_id=self.pad_id)
+        for pb in packed:  # members index the caller's units
+            pb.members = [int(indices[m]) for m in pb.members]
+        if not packed:
+            packed = [empty_batch(self.physical_batch_size, self.seq_len, self.unit_slots, self.pad_id)]
+        return [(pb.tensors(), None) for pb in packed]

@@ -1,0 +1,306 @@
+"""Packed documents through the passes (``compile(..., packed_units=U)``): each unit's
+gradient, norm and clipped contribution against the unit run alone, each of its pieces in a
+row of its own (``CausalLMLoss``, plain autograd); isolation between the units of a row;
+fixed shapes; refusals."""
+import math
+
+import pytest
+import torch
+
+import longshield_fx as lf
+from longshield_fx.data import LogicalBatch
+from longshield_fx.errors import UnsupportedModelError
+from longshield_fx.models.llama import Llama, LlamaConfig
+from longshield_fx.packing import pack_documents, unit_pieces
+
+T, ROWS, U, C = 16, 4, 8, 0.05
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64,
+                  rope_theta=10000.0)
+# Units of one or two documents; 20 and 33 tokens span rows, the 2-token one predicts one token.
+LENGTHS = [[5, 3], [20], [7], [2], [9, 11], [13], [33], [4, 4, 4]]
+
+
+def _units(seed: int = 1) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in docs] for docs in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    lm = Llama(CFG)
+    engine = lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(max_grad_norm=C, noise_multiplier=0.0,
+                                                                      insecure_seed=0), packed_units=U)
+    return lm, engine
+
+
+def _alone(lm, unit) -> dict:
+    """The unit's gradient: the sum over its pieces, each run alone as one row."""
+    plain = lf.CausalLMLoss(lm)
+    lm.zero_grad()
+    for piece in unit_pieces(unit, T):
+        x = torch.tensor([piece])
+        plain(x, x).sum().backward()
+    return {f"lm.{n}": p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+
+def _close(a: dict, b: dict, rtol: float = 1e-5) -> float:
+    """Largest difference, relative to the largest entry of b's gradients."""
+    scale = max(float(v.abs().max()) for v in b.values())
+    err = max(float((a[n] - b[n]).abs().max()) for n in b) / scale
+    assert err <= rtol, err
+    return err
+
+
+def test_per_unit_gradients_equal_each_unit_alone(setup):
+    lm, engine = setup
+    units = _units()
+    batches, stats = pack_documents(units, seq_len=T, rows=ROWS, unit_slots=U)
+    assert len(batches) >= 2 and stats.pieces_per_row > 1  # rows shared, and a second physical batch
+    spans_rows = 0
+    for pb in batches:
+        grads = engine.per_sample_grads(*pb.tensors())
+        assert all(g.shape[0] == U for g in grads.values())
+        for slot, unit in enumerate(pb.members):
+            spans_rows += int((pb.units == slot).any(1).sum() > 1)
+            _close({n: g[slot] for n, g in grads.items()}, _alone(lm, units[unit]))
+        for slot in range(len(pb.members), U):  # an empty slot is no sample
+            assert all(float(g[slot].abs().max()) == 0 for g in grads.values())
+    assert spans_rows >= 2
+    assert engine.captures == 1  # batches of other units and lengths: the same graph
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+def test_clipped_sum_and_norms_equal_the_units_alone(setup, ghost):
+    """With ghost norm and book-keeping (the cost model picks it for the wider linear weights at
+    U = 8) and without (per-unit gradients by one grouped matmul)."""
+    lm, engine = setup
+    if not ghost:
+        engine = lf.compile(lf.PackedCausalLMLoss(lm), config=engine.config, packed_units=U,
+                            disable_passes=("ghost_norm",))
+    units = _units(seed=2)
+    (pb, *rest), _ = pack_documents(units, seq_len=T, rows=ROWS, unit_slots=U)
+    methods = engine.lower(*pb.tensors()).norm_methods
+    ghosts = [n for n, m in methods.items() if m.startswith("ghost")]
+    assert bool(ghosts) == ghost and len(ghosts) < len(methods), methods  # ghost layers beside per-unit ones
+    engine.accumulate(*pb.tensors())
+    norms = engine.last_norms
+    expected = None
+    for slot, unit in enumerate(pb.members):
+        g = _alone(lm, units[unit])
+        norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in g.values()))
+        assert norms[slot].item() == pytest.approx(norm, rel=1e-5)
+        factor = min(1.0, C / (norm + 1e-6))
+        expected = {n: v * factor + (expected[n] if expected else 0) for n, v in g.items()}
+    assert bool((norms[len(pb.members):] == 0).all())
+    engine.finalize(LogicalBatch(len(pb.members), torch.arange(len(pb.members)), [], 1.0, 1.0))
+    _close({f"lm.{n}": p.grad for n, p in lm.named_parameters()}, expected)
+
+
+def test_one_document_never_reaches_another(setup):
+    """Every token of one document replaced: every other unit's loss and gradient unchanged."""
+    lm, engine = setup
+    units = _units(seed=3)
+    (pb, *_), _ = pack_documents(units, seq_len=T, rows=ROWS, unit_slots=U)
+    slots = range(len(pb.members))
+    # the victim: a unit sharing a row with another
+    victim = next(v for v in slots if any(bool((pb.units[r] == v).any() & (pb.units[r] == s).any())
+                                          for r in range(ROWS) for s in slots if s != v))
+    ids = pb.input_ids.clone()
+    where = pb.units == victim
+    ids[where] = (ids[where] + 17) % CFG.vocab_size
+    labels = pb.labels.clone()
+    labels[where] = ids[where]
+    before = engine.per_sample_grads(*pb.tensors())
+    after = engine.per_sample_grads(ids, labels, pb.position_ids, pb.units)
+    changed = max(float((before[n][victim] - after[n][victim]).abs().max()) for n in before)
+    assert changed > 1e-3  # the victim's own gradient did change
+    others = [s for s in slots if s != victim]
+    diff = max(float((before[n][s] - after[n][s]).abs().max()) for n in before for s in others)
+    assert diff <= 1e-6, diff
+    model = lf.PackedCausalLMLoss(lm)
+    row_loss = model(*pb.tensors())
+    row_loss_after = model(ids, labels, pb.position_ids, pb.units)
+    for r in range(ROWS):
+        if not bool((pb.units[r] == victim).any()):
+            assert torch.equal(row_loss[r], row_loss_after[r])
+
+
+@pytest.mark.parametrize("policy", ["block", "selective"])
+def test_checkpointed_equals_plain(setup, policy):
+    lm, engine = setup
+    (pb, *_), _ = pack_documents(_units(seed=6), seq_len=T, rows=ROWS, unit_slots=U)
+    checkpointed = lf.compile(lf.PackedCausalLMLoss(lm), config=engine.config, checkpoint=policy, packed_units=U)
+    record = checkpointed.lower(*pb.tensors()).log[-1]
+    assert record.name == "checkpoint" and record.nodes_after > record.nodes_before  # it recomputes
+    results = []
+    for e in (engine, checkpointed):
+        e.accumulate(*pb.tensors())
+        norms = e.last_norms.clone()
+        e.finalize(LogicalBatch(len(pb.members), torch.arange(len(pb.members)), [], 1.0, 1.0))
+        results.append((norms, {n: p.grad.clone() for n, p in lm.named_parameters()}))
+    (n0, g0), (n1, g1) = results
+    torch.testing.assert_close(n1, n0, rtol=1e-6, atol=0)
+    _close(g1, g0, rtol=1e-6)
+
+
+def test_adding_a_unit_moves_the_clipped_sum_by_at_most_c(setup):
+    lm, engine = setup
+    units = _units(seed=4)
+
+    def clipped_sum(us):
+        sums = None
+        for pb in pack_documents(us, seq_len=T, rows=ROWS, unit_slots=U)[0]:
+            engine.accumulate(*pb.tensors())
+        engine.finalize(LogicalBatch(len(us), torch.arange(len(us)), [], 1.0, 1.0))
+        sums = {n: p.grad.double().clone() for n, p in lm.named_parameters()}
+        return sums
+
+    with_all, without = clipped_sum(units), clipped_sum(units[:3] + units[4:])
+    moved = math.sqrt(sum(float((with_all[n] - without[n]).pow(2).sum()) for n in with_all))
+    assert 0.5 * C < moved <= C * (1 + 1e-6)
+
+
+def test_segments_follow_units_and_positions_whatever_the_labels(setup):
+    """Two units back to back with continuing positions and labels that cross between them:
+    still two segments, and the boundary pair is not predicted."""
+    lm, _ = setup
+    loss = lf.PackedCausalLMLoss(lm)
+    plain = lf.CausalLMLoss(lm)
+    a, b = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 10))
+    ids = torch.cat([a, b], 1)
+    units = torch.tensor([[0] * 6 + [1] * 10])
+    got = loss(ids, ids, torch.arange(16)[None], units)
+    with torch.no_grad():
+        assert got.item() == pytest.approx((plain(a, a) + plain(b, b)).item(), rel=1e-5)
+
+
+def test_refusals(setup):
+    lm, engine = setup
+    (pb, *_), _ = pack_documents(_units(), seq_len=T, rows=ROWS, unit_slots=U)
+    with pytest.raises(ValueError, match="packed batches take no mask"):
+        engine.accumulate(*pb.tensors(), mask=torch.ones(ROWS))
+    bad = pb.units.clone()
+    bad[0, 0] = U + 1
+    with pytest.raises(ValueError, match=r"unit slots must lie in \[0, 8\]"):
+        engine.per_sample_grads(pb.input_ids, pb.labels, pb.position_ids, bad)
+    with pytest.raises(ValueError, match="run on one process for now"):
+        lf.compile(lf.PackedCausalLMLoss(lm), fsdp=("dp",), packed_units=U)
+    with pytest.raises(ValueError, match="do not run in float16"):
+        lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, compute_dtype=torch.float16), packed_units=U)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="packed_units must be an int > 0"):
+            lf.compile(lf.PackedCausalLMLoss(lm), packed_units=bad)
+    with pytest.raises(ValueError, match="needs at least 2 rows"):
+        lf.compile(lf.PackedCausalLMLoss(lm), packed_units=U).per_sample_grads(*(t[:1] for t in pb.tensors()))
+
+
+def test_a_layer_without_a_per_unit_rule_is_refused_by_name():
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 4)
+            self.conv = torch.nn.Conv1d(4, 4, 3, padding=1)
+
+        def forward(self, ids, labels, positions, units):
+            h = self.conv(self.emb(ids).transpose(1, 2)).transpose(1, 2)
+            return (h.sum(-1) * (labels >= 0) * (units >= 0)).sum(1)
+
+    engine = lf.compile(Conv(), packed_units=2)
+    ids = torch.randint(0, 16, (2, 6))
+    units = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 2, 2, 2, 2]])
+    with pytest.raises(UnsupportedModelError, match="conv.weight.*with packed documents.*--no-pack"):
+        engine.per_sample_grads(ids, ids, torch.zeros_like(ids), units)
+
+
+def _hf(kind: str):
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    config = {"llama": lambda: transformers.LlamaConfig(**small),
+              "qwen2": lambda: transformers.Qwen2Config(**small),
+              "gpt2": lambda: transformers.GPT2Config(vocab_size=CFG.vocab_size, n_embd=32, n_layer=2, n_head=4,
+                                                      n_positions=64, bos_token_id=0, eos_token_id=0)}[kind]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.eval()  # GPT-2's dropout off: the oracle runs the same function
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_hugging_face_models_per_unit_gradients(kind):
+    """HF Llama and Qwen2 (RoPE) and GPT-2 (learned positions, LayerNorm, Conv1D) packed: each
+    unit's gradient equals the unit alone; the mask is ours, not transformers' guess from positions."""
+    lm = _hf(kind)
+    engine = lf.compile(lf.PackedCausalLMLoss(lm), packed_units=U)
+    units = _units(seed=5)
+    (pb, *_), stats = pack_documents(units, seq_len=T, rows=ROWS, unit_slots=U)
+    assert stats.pieces_per_row > 1
+    grads = engine.per_sample_grads(*pb.tensors())
+    for slot, unit in enumerate(pb.members):
+        _close({n: g[slot] for n, g in grads.items()}, _alone(lm, units[unit]))
+
+
+class PackedTokenProducts(torch.nn.Module):
+    """A linear layer whose loss is Σ_t v_t·fc(x_t) over packed rows: a unit's gradient is
+    Σ_t v_t x_tᵀ over its tokens, so a unit's tokens can be made to cancel exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x, v, units):
+        return ((self.fc(x) * v).sum(-1) * (units >= 0)).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+def test_cancelling_tokens_of_a_packed_unit_stay_within_c(clipping, dtype):
+    """Unit 0's tokens cancel (gradient 0, per-token products up to 2**100) and share rows with
+    three ordinary units: under ghost norm and book-keeping per unit, its contribution alone and
+    the sum's move when it is removed stay within C·(1+1e-6) in float64."""
+    model = PackedTokenProducts()
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0, clipping=clipping, compute_dtype=dtype), packed_units=4)
+    g = torch.Generator().manual_seed(0)
+    a, b, v = (torch.randn(16, generator=g) for _ in range(3))
+    units = torch.tensor([[0, 0, 1, 1, 1, 1, 2, 2], [0, 0, 2, 2, 3, 3, 3, 3]])  # unit 0 spans both rows
+    for scale in (2 ** 20, 2 ** 40, 2 ** 100):
+        x, w = torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 16, generator=g)
+        x[units == 0] = torch.stack([a, b, -a, -b]) * math.sqrt(scale)
+        w[units == 0] = v * math.sqrt(scale)
+        x, w = x.to(dtype), w.to(dtype)
+        assert engine.lower(x, w, units).norm_methods["fc.weight"].startswith("ghost")
+
+        def clipped_sum(keep):
+            u = torch.where(torch.isin(units, torch.tensor(keep)), units, 4)
+            engine.accumulate(x, w, u)
+            engine.finalize(LogicalBatch(len(keep), torch.tensor(keep), [], 1.0, 1.0))
+            return model.fc.weight.grad.double().clone()
+
+        alone = clipped_sum([0])
+        assert float(alone.norm()) <= 1 + 1e-6, (scale, float(alone.norm()))
+        moved = clipped_sum([0, 1, 2, 3]) - clipped_sum([1, 2, 3])
+        assert float(moved.norm()) <= 1 + 1e-6, (scale, float(moved.norm()))
+    assert engine.captures == 1
+
+
+def test_hugging_face_attention_that_would_not_keep_documents_apart_is_refused():
+    """Eager attention adds a 4-D mask to the scores (a boolean True as +1: nothing masked)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with pytest.raises(UnsupportedModelError, match="attn_implementation='sdpa'.*'eager'.*--no-pack"):
+        lf.PackedCausalLMLoss(eager)
+
+
+def test_a_non_finite_unit_leaves_the_other_norms_of_its_tile_finite():
+    """segment_sq_norm: one segment's inf never turns another segment's norm into nan (inf * 0)."""
+    from longshield_fx.ops.segment import segment_sq_norm
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(10, 8, generator=g), torch.randn(10, 8, generator=g)
+    counts = torch.tensor([3, 3, 4])  # W = 4: all three short, in the same tiles
+    clean = segment_sq_norm(a, b, counts)
+    a[0, 0] = float("inf")
+    dirty = segment_sq_norm(a, b, counts)
+    assert not torch.isfinite(dirty[0]) and torch.equal(dirty[1:], clean[1:])

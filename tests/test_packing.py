@@ -1,0 +1,128 @@
+"""Packing units into fixed-shape physical batches (``longshield_fx.packing``), and Poisson
+sampling over units before packing."""
+import math
+
+import pytest
+import torch
+
+from longshield_fx.packing import PackedPoissonBatches, pack_documents, unit_pieces
+
+
+def _corpus(n: int, seq_len: int, seed: int = 0) -> list[list[list[int]]]:
+    """Units of one or two documents with log-normal lengths: median seq_len/8, a tail past 4·seq_len."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(torch.randn(n, 2, generator=g) * 1.2 + math.log(seq_len / 8)).long().clamp(min=2)
+    two = torch.rand(n, generator=g) < 0.2
+    return [[list(range(int(lengths[i, j]))) for j in range(1 + int(two[i]))] for i in range(n)]
+
+
+def test_every_piece_placed_once_in_its_units_batch():
+    seq_len, rows, slots = 64, 4, 12
+    units = _corpus(60, seq_len)
+    batches, stats = pack_documents(units, seq_len=seq_len, rows=rows, unit_slots=slots, pad_id=7)
+    seen = set()
+    for pb in batches:
+        assert pb.input_ids.shape == pb.labels.shape == pb.position_ids.shape == pb.units.shape == (rows, seq_len)
+        assert len(pb.members) <= slots
+        for slot, unit in enumerate(pb.members):
+            assert unit not in seen  # a unit lives in one physical batch
+            seen.add(unit)
+            expected = unit_pieces(units[unit], seq_len)[:rows]
+            got = []
+            for r in range(rows):  # pieces in a row: runs of the slot whose positions count from 0
+                where = (pb.units[r] == slot).nonzero().squeeze(1).tolist()
+                piece = []
+                for t in where:
+                    if pb.position_ids[r, t] == 0 and piece:
+                        got.append(piece)
+                        piece = []
+                    piece.append(int(pb.input_ids[r, t]))
+                    assert pb.labels[r, t] == pb.input_ids[r, t]
+                if piece:
+                    got.append(piece)
+            assert sorted(got) == sorted(expected)
+        padding = pb.units == slots
+        assert bool((pb.labels[padding] == -100).all()) and bool((pb.input_ids[padding] == 7).all())
+    assert seen == {i for i, u in enumerate(units) if unit_pieces(u, seq_len)}
+    placed = sum(len(p) for i in seen for p in unit_pieces(units[i], seq_len)[:rows])
+    assert stats.token_slots - stats.padding_slots == placed
+    assert stats.truncated_units == sum(len(unit_pieces(u, seq_len)) > rows for u in units)
+
+
+def test_padding_is_small_on_a_skewed_corpus():
+    """Log-normal lengths, median T/8 and a tail beyond 4T: the padded (N, R, T) layout of the same
+    units spends most of its slots on padding; packed, a few percent (only the last batch's
+    empty rows, and what first-fit leaves at row ends)."""
+    seq_len, rows = 256, 16
+    units = _corpus(1000, seq_len, seed=1)
+    _, stats = pack_documents(units, seq_len=seq_len, rows=rows, unit_slots=128)
+    pieces = [unit_pieces(u, seq_len)[:rows] for u in units]
+    R = max(map(len, pieces))
+    unpacked_padding = 1 - sum(len(p) for ps in pieces for p in ps) / (len(units) * R * seq_len)
+    empty_rows = stats.batches * rows - stats.rows_used
+    within_rows = (stats.padding_slots - empty_rows * seq_len) / (stats.rows_used * seq_len)
+    assert stats.padding_fraction <= 0.06 and within_rows <= 0.01, stats  # the rest: the last batch's empty rows
+    assert unpacked_padding >= 0.4
+    assert stats.pieces_per_row > 2
+
+
+def test_a_unit_longer_than_a_batch_keeps_what_fits_and_is_counted():
+    batches, stats = pack_documents([[list(range(50))], [[1, 2, 3]]], seq_len=8, rows=3, unit_slots=4)
+    assert stats.truncated_units == 1 and stats.dropped_tokens == 50 - 24
+    assert [pb.members for pb in batches] == [[0], [1]]  # the long unit fills its batch
+
+
+def test_no_unit_is_split_over_slots_and_slots_are_bounded():
+    units = [[[1, 2, 3]] for _ in range(10)]
+    batches, _ = pack_documents(units, seq_len=16, rows=2, unit_slots=3)
+    assert [len(pb.members) for pb in batches] == [3, 3, 3, 1]
+    assert all(int(pb.units.max()) == 3 for pb in batches)
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="seq_len >= 2"):
+        pack_documents([[[1, 2]]], seq_len=1, rows=2, unit_slots=1)
+    with pytest.raises(ValueError, match="rows >= 2"):
+        pack_documents([[[1, 2]]], seq_len=4, rows=1, unit_slots=1)
+
+
+def test_poisson_over_units_then_packed():
+    units = _corpus(40, 32, seed=2)
+    units = [u for u in units if unit_pieces(u, 32)]
+    sampler = PackedPoissonBatches(units, 0.3, seq_len=32, rows=4, unit_slots=8, insecure_seed=5, steps=6)
+    assert sampler.num_examples == len(units) and sampler.expected_batch_size == pytest.approx(0.3 * len(units))
+    for batch in sampler:
+        slots = 0
+        for tensors, mask in batch.physical:
+            assert mask is None and len(tensors) == 4 and tensors[3].shape == (4, 32)
+            slots += len(set(tensors[3].flatten().tolist()) - {8})
+        assert slots == batch.size  # every sampled unit holds one slot in one physical batch
+
+
+def test_an_empty_draw_is_one_batch_of_padding():
+    sampler = PackedPoissonBatches([[[1, 2, 3]]], 1e-9, seq_len=8, rows=2, unit_slots=2, insecure_seed=0, steps=1)
+    (batch,) = list(sampler)
+    assert batch.size == 0 and len(batch.physical) == 1
+    (ids, labels, _, units), mask = batch.physical[0]
+    assert mask is None and bool((units == 2).all()) and bool((labels == -100).all())
+
+
+def test_a_unit_with_nothing_to_predict_is_refused():
+    with pytest.raises(ValueError, match=r"unit 1 has no piece of 2 tokens"):
+        PackedPoissonBatches([[[1, 2]], [[3]]], 0.5, seq_len=8, rows=2, unit_slots=2, insecure_seed=0)
+
+
+def test_a_restored_sampler_draws_what_the_uninterrupted_one_draws():
+    units = [u for u in _corpus(30, 16, seed=3) if unit_pieces(u, 16)]
+    make = lambda: PackedPoissonBatches(units, 0.3, seq_len=16, rows=4, unit_slots=8, insecure_seed=9, steps=6)
+    whole = [[t for t, _ in b.physical] for b in make()]
+    first = make()
+    it = iter(first)
+    for _ in range(2):
+        next(it)
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    rest = [[t for t, _ in b.physical] for b in resumed]
+    assert len(rest) == 4
+    for got, want in zip(rest, whole[2:]):
+        assert len(got) == len(want) and all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
