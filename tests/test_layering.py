@@ -167,6 +167,30 @@ def layer_violations(root: Path) -> list[str]:
     return sorted(set(found))
 
 
+def required_test_dependencies(root: Path) -> set[str]:
+    """Import names of what ``pip install -e '.[test]'`` always installs (the package's
+    dependencies and its ``test`` extra), from pyproject.toml."""
+    import tomllib
+
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    specs = project.get("dependencies", []) + project.get("optional-dependencies", {}).get("test", [])
+    return {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].strip().lower().replace("-", "_") for spec in specs}
+
+
+def skips_of_required_dependencies(root: Path) -> list[str]:
+    """``pytest.importorskip`` of a module every test run has: such a test would be skipped,
+    never failed, if the dependency went missing (a skipped required check is a defect)."""
+    required, found = required_test_dependencies(root), []
+    for path in _py_files(root, "tests"):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "importorskip"
+                    and node.args and isinstance(node.args[0], ast.Constant)
+                    and str(node.args[0].value).split(".")[0].lower() in required):
+                found.append(_where(root, path, node.lineno, lines[node.lineno - 1]))
+    return sorted(set(found))
+
+
 def _report(found: list[str], what: str) -> str:
     return f"{len(found)} {what}:\n" + "\n".join(found)
 
@@ -191,6 +215,11 @@ def test_no_test_file_imports_another():
     assert not found, _report(found, "imports of test modules (move shared code to conftest.py or oracles.py)")
 
 
+def test_no_required_test_dependency_is_imported_with_a_skip():
+    found = skips_of_required_dependencies(REPO)
+    assert not found, _report(found, "importorskip of a required test dependency (import it: a missing one must fail)")
+
+
 def test_the_checkers_catch_planted_violations(tmp_path):
     """Each checker reports a planted violation with its file and line, and accepts the
     look-alikes that are allowed (engine.py itself, torch.__version__, prose, aten ops)."""
@@ -213,6 +242,11 @@ def test_the_checkers_catch_planted_violations(tmp_path):
     plant("tests/test_x.py", "engine._train[0]\nengine._trainer  # another name\n")
     plant("tests/passes/test_y.py", "from oracles import tiny_llama\nfrom test_shard_grads import build\n"
           "import conftest\n")
+    plant("pyproject.toml", '[project]\ndependencies = ["torch==2.13.0"]\n'
+          '[project.optional-dependencies]\ntest = ["transformers==5.24.0", "opacus>=1.5"]\n')
+    plant("tests/test_z.py", 'import pytest\nt = pytest.importorskip("transformers")\n'
+          'g = pytest.importorskip("graphviz")  # optional: allowed\nfrom pytest import importorskip\n'
+          'o = importorskip("opacus.layers")\n')
 
     assert engine_private_uses(tmp_path) == [
         f"{PACKAGE}/tools/plan.py:1: g = engine._training_graph((ids, ids))",
@@ -224,6 +258,10 @@ def test_the_checkers_catch_planted_violations(tmp_path):
         f"{PACKAGE}/passes/bad.py:2: c = torch.ops._c10d_functional",
         f"{PACKAGE}/passes/bad.py:3: from torch.testing._internal.distributed import fake_pg",
         f"{PACKAGE}/passes/bad.py:4: from torch import _dynamo",
+    ]
+    assert skips_of_required_dependencies(tmp_path) == [
+        'tests/test_z.py:2: t = pytest.importorskip("transformers")',
+        'tests/test_z.py:5: o = importorskip("opacus.layers")',
     ]
     assert imports_of_test_modules(tmp_path) == [
         "tests/passes/test_y.py:2: from test_shard_grads import build",

@@ -214,7 +214,7 @@ def test_a_layer_without_a_per_unit_rule_is_refused_by_name():
 
 
 def _hf(kind: str):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     small = dict(vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2)
     config = {"llama": lambda: transformers.LlamaConfig(**small),
@@ -285,7 +285,7 @@ def test_cancelling_tokens_of_a_packed_unit_stay_within_c(clipping, dtype):
 
 def test_hugging_face_attention_that_would_not_keep_documents_apart_is_refused():
     """Eager attention adds a 4-D mask to the scores (a boolean True as +1: nothing masked)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     config = transformers.LlamaConfig(vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=48,
                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
     eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
