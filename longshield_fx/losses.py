@@ -53,9 +53,6 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         self.lm = lm
         self.is_hf = _is_hf_model(lm)
-        why = packing_refused(lm)
-        if why:
-            raise UnsupportedModelError(f"PackedCausalLMLoss: {why}")
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
