@@ -244,9 +244,10 @@ def test_the_checkers_catch_planted_violations(tmp_path):
           "import conftest\n")
     plant("pyproject.toml", '[project]\ndependencies = ["torch==2.13.0"]\n'
           '[project.optional-dependencies]\ntest = ["transformers==5.24.0", "opacus>=1.5"]\n')
-    plant("tests/test_z.py", 'import pytest\nt = pytest.importorskip("transformers")\n'
-          'g = pytest.importorskip("graphviz")  # optional: allowed\nfrom pytest import importorskip\n'
-          'o = importorskip("opacus.layers")\n')
+    skip = "import" + "orskip"  # spelled in pieces: this file's own source is no example of it
+    plant("tests/test_z.py", f'import pytest\nt = pytest.{skip}("transformers")\n'
+          f'g = pytest.{skip}("graphviz")  # optional: allowed\nfrom pytest import {skip}\n'
+          f'o = {skip}("opacus.layers")\n')
 
     assert engine_private_uses(tmp_path) == [
         f"{PACKAGE}/tools/plan.py:1: g = engine._training_graph((ids, ids))",
@@ -260,8 +261,8 @@ def test_the_checkers_catch_planted_violations(tmp_path):
         f"{PACKAGE}/passes/bad.py:4: from torch import _dynamo",
     ]
     assert skips_of_required_dependencies(tmp_path) == [
-        'tests/test_z.py:2: t = pytest.importorskip("transformers")',
-        'tests/test_z.py:5: o = importorskip("opacus.layers")',
+        f'tests/test_z.py:2: t = pytest.{skip}("transformers")',
+        f'tests/test_z.py:5: o = {skip}("opacus.layers")',
     ]
     assert imports_of_test_modules(tmp_path) == [
         "tests/passes/test_y.py:2: from test_shard_grads import build",

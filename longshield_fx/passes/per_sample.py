@@ -262,6 +262,7 @@ class Packing:
         self.graph, self.call = gm.graph, call
         self._nodes: dict[str, fx.Node] = {}
         self._made: set[fx.Node] = set()
+        self._derived: dict[tuple, fx.Node] = {}  # (what, node) -> its token rows or their sorted copy
 
     def _node(self, name: str, build) -> fx.Node:
         node = self._nodes.get(name)
@@ -329,12 +330,28 @@ class Packing:
             if tag.inner == self.T and shape[0] == self.rows * self.T:
                 return node, 1
             if tag.inner == 1 and len(shape) >= 2 and shape[:2] == [self.rows, self.T]:
-                return self.call(aten.reshape.default, node, [self.rows * self.T, *shape[2:]]), 2
+                return self._once(("tokens", node), [node], lambda: self.call(
+                    aten.reshape.default, node, [self.rows * self.T, *shape[2:]])), 2
         raise self.unsupported(param, node)
 
     def sorted(self, tokens: fx.Node) -> fx.Node:
-        """Token rows grouped by unit slot, slot 0 first."""
-        return self.call(aten.index_select.default, tokens, 0, self.order)
+        """Token rows grouped by unit slot, slot 0 first (one copy per tensor, however many layers
+        read it: q, k and v share their input's)."""
+        order = self.order
+        return self._once(("sorted", tokens), [tokens, order],
+                          lambda: self.call(aten.index_select.default, tokens, 0, order))
+
+    def _once(self, key, inputs: list[fx.Node], build) -> fx.Node:
+        """One node per ``key``, right after the last of its ``inputs`` (so every user sees it defined)."""
+        node = self._derived.get(key)
+        if node is None or node._erased:
+            position = {n: i for i, n in enumerate(self.graph.nodes)}
+            last = max(inputs, key=position.__getitem__)
+            if last.op == "placeholder":  # after every placeholder, not among them
+                last = list(self.graph.find_nodes(op="placeholder"))[-1]
+            with self.graph.inserting_after(last):
+                node = self._derived[key] = build()
+        return node
 
     def unit_sum(self, param: str, node: fx.Node, dims, out_shape) -> fx.Node:
         """Per-unit ``sum(node, dims)`` where dims include the token dims: (U+1, *out_shape)."""
