@@ -267,10 +267,11 @@ class Packing:
     def _node(self, name: str, build) -> fx.Node:
         node = self._nodes.get(name)
         if node is None or node._erased:
-            # The placeholders, then the nodes made here (and their inputs), then the rest.
+            # After the placeholders and every node made here: a build reads nothing else, and other
+            # nodes may already sit among them (``_once`` puts a placeholder's reshape right after it).
             ours = {n for n in self._made if not n._erased}
-            first = next(n for n in self.graph.nodes if n.op != "placeholder" and n not in ours)
-            with self.graph.inserting_before(first):
+            anchor = [n for n in self.graph.nodes if n.op == "placeholder" or n in ours][-1]
+            with self.graph.inserting_before(anchor.next):
                 node = self._nodes[name] = build()
             stack = [node]
             while stack:

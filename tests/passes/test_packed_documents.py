@@ -83,6 +83,13 @@ def test_clipped_sum_and_norms_equal_the_units_alone(setup, ghost):
     methods = engine.lower(*pb.tensors()).norm_methods
     ghosts = [n for n, m in methods.items() if m.startswith("ghost")]
     assert bool(ghosts) == ghost and len(ghosts) < len(methods), methods  # ghost layers beside per-unit ones
+    _check_clipped_sum(lm, engine, units, pb)
+
+
+def _check_clipped_sum(lm, engine, units, pb):
+    """One physical batch accumulated and finalized without noise: each unit's norm and the
+    clipped sum against the units alone."""
+    lm.zero_grad()
     engine.accumulate(*pb.tensors())
     norms = engine.last_norms
     expected = None
@@ -238,6 +245,10 @@ def test_hugging_face_models_per_unit_gradients(kind):
     grads = engine.per_sample_grads(*pb.tensors())
     for slot, unit in enumerate(pb.members):
         _close({n: g[slot] for n, g in grads.items()}, _alone(lm, units[unit]))
+    engine = lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(max_grad_norm=C, noise_multiplier=0.0,
+                                                                      insecure_seed=0), packed_units=U)
+    assert any(m.startswith("ghost") for m in engine.lower(*pb.tensors()).norm_methods.values())
+    _check_clipped_sum(lm, engine, units, pb)
 
 
 class PackedTokenProducts(torch.nn.Module):
