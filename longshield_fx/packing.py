@@ -112,6 +112,13 @@ def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, ro
     return out, stats
 
 
+def unit_slots_for(rows: int) -> int:
+    """The CLI's unit slots for physical batches of ``rows`` rows: 4 per row. Fixed, not fitted to
+    the corpus (a slot count read off the private documents would be a statistic of them); the
+    per-unit work grows with the slots, so a corpus of long documents leaves most of them empty."""
+    return 4 * rows
+
+
 def empty_batch(rows: int, seq_len: int, unit_slots: int, pad_id: int = 0) -> PackedBatch:
     """A physical batch of padding alone (a logical batch that drew no unit; an example to compile on)."""
     return _tensors([], [[] for _ in range(rows)], seq_len, unit_slots, pad_id)

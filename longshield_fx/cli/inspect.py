@@ -23,7 +23,9 @@ DESCRIPTION = (
     "rewritten graph of one transformer block as graphviz DOT (and SVG when graphviz's dot program is\n"
     "installed), and the whole graph's code, to --out.\n\n"
     "--cp N > 1 outside torchrun uses a fake process group of N ranks in this one process\n"
-    "(shapes and collectives are real, nothing is sent).")
+    "(shapes and collectives are real, nothing is sent).\n\n"
+    "--packed shows the graph `train --data` runs by default: the rows hold packed documents and\n"
+    "the samples are unit slots (see README \"Packed documents\").")
 
 
 def add_parser(sub) -> None:
@@ -42,6 +44,9 @@ def add_parser(sub) -> None:
                    help="head-parallel degree (2D attention over hp x cp ranks; fake process group only)")
     i.add_argument("--inner-ring", type=positive_int, default=None, metavar="W",
                    help="double-ring attention: inner rings of W cp ranks (default: one ring)")
+    i.add_argument("--packed", action="store_true",
+                   help="packed documents: the --physical-batch-size rows hold up to 4 units per row, each its own "
+                   "privacy unit (the graph `train --data` runs on one process)")
     i.add_argument("--timeline", choices=list(HARDWARE), nargs="?", const="H100-NVLink", default=None,
                    help="draw the cost-model compute/communication timeline for this hardware to timeline.png in "
                    "--out and print the exposed communication (default: none; the flag alone: H100-NVLink)")
@@ -201,18 +206,52 @@ def _lower(args, stack: contextlib.ExitStack):
         mesh, dp, _ = setup_distributed(args.cp, "cpu", "inspect")
     model, _, model_name = build_model(args)
     config = lf.DPConfig(args.max_grad_norm, 1.0, clipping=args.clipping)  # graph only: no noise drawn
-    engine = lf.compile(model, mesh, config=config, checkpoint=None if args.checkpoint == "none" else args.checkpoint,
-                        inner_ring=args.inner_ring)
+    checkpoint = None if args.checkpoint == "none" else args.checkpoint
     ids = torch.randint(0, 256, (args.physical_batch_size, args.seq_len),
                         generator=torch.Generator().manual_seed(args.seed))
-    lowered = engine.lower(ids, ids)
+    if args.packed:
+        engine, lowered, slots = _lower_packed(args, model, config, checkpoint, ids)
+    else:
+        engine = lf.compile(model, mesh, config=config, checkpoint=checkpoint, inner_ring=args.inner_ring)
+        lowered, slots = engine.lower(ids, ids), ""
     where = (f"cp={args.cp}" + (f" x hp={args.hp}" if args.hp > 1 else "")
              + (f", inner ring {args.inner_ring}" if args.inner_ring else "")
              + (" (fake process group, one process)" if fake else "") + (f", dp={dp}" if dp > 1 else ""))
     header = (f"{model_name}: {sum(p.numel() for p in model.parameters()):,} parameters; batch "
               f"({args.physical_batch_size}, {args.seq_len}); {where}; checkpointing {args.checkpoint}; "
-              f"{args.clipping} clipping")
+              f"{args.clipping} clipping{slots}")
     return engine, lowered, dp, header, model_name
+
+
+def _lower_packed(args, model, config, checkpoint, ids):
+    """The packed-documents graph of ``train --data`` for rows of random documents: (engine,
+    lowered, the header's words on the unit slots)."""
+    import longshield_fx as lf
+
+    from ..losses import packing_refused
+    from ..packing import pack_documents, unit_slots_for
+
+    if args.cp * args.hp > 1:
+        raise CLIError("inspect --packed: packed documents run on one process for now; drop --cp/--hp")
+    if args.physical_batch_size < 2:
+        raise CLIError("inspect --packed: a packed batch has at least 2 rows; set --physical-batch-size 2 or more")
+    why = packing_refused(model.lm)
+    if why:
+        raise CLIError(f"inspect --packed: {why}")
+    rows, T = ids.shape
+    U = unit_slots_for(rows)
+    engine = lf.compile(lf.PackedCausalLMLoss(model.lm), config=config, checkpoint=checkpoint, packed_units=U)
+    flat = ids.flatten().tolist()  # documents of 1 to T/2 tokens cut from the random rows, one unit each
+    g = torch.Generator().manual_seed(args.seed)
+    cuts = torch.randint(2, max(3, T // 2 + 1), (U,), generator=g).tolist()
+    units, start = [], 0
+    for n in cuts:
+        units.append([flat[start:start + n]])
+        start += n
+    (batch, *_), _ = pack_documents(units, seq_len=T, rows=rows, unit_slots=U)
+    lowered = engine.lower(*batch.tensors())
+    return engine, lowered, (f"; packed documents: {U} unit slots per physical batch (the samples; slot {U} holds "
+                             f"the padding and is never counted), {len(batch.members)} of them filled here")
 
 
 def _write_files(args, lowered, model_name: str) -> None:

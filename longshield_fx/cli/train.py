@@ -456,11 +456,11 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
     import longshield_fx as lf
 
     from ..errors import UnsupportedModelError
-    from ..packing import PackedPoissonBatches, empty_batch
+    from ..packing import PackedPoissonBatches, empty_batch, unit_slots_for
 
     args = job.args
     rows = max(2, args.physical_batch_size * job.corpus.rows_per_unit)  # one row would run as two: refused
-    job.unit_slots = 4 * rows
+    job.unit_slots = unit_slots_for(rows)
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), config=config, checkpoint=checkpoint,
                             packed_units=job.unit_slots)
     try:

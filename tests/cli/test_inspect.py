@@ -200,3 +200,23 @@ def test_inspect_double_ring_passes_its_inner_ring_to_the_graph_and_the_timeline
         expected = _simulated_ms(mesh, SequenceLayout(1, 4, 2), "H100-IB", inner_ring=2)
         one_ring = _simulated_ms(mesh, SequenceLayout(1, 4), "H100-IB")
     assert _timeline_ms(out, "H100-IB") == expected != one_ring
+
+
+def test_inspect_packed_shows_the_unit_slots_and_each_parameters_per_unit_method(tmp_path, capsys):
+    """--packed lowers the graph `train --data` runs: 4 unit slots per row, and per parameter the
+    norm method the packed engine picks for those shapes (the unit slots are its samples)."""
+    from longshield_fx.packing import empty_batch, unit_slots_for
+
+    text = run_inspect("-T", T, "--packed", "--out", tmp_path)
+    U = unit_slots_for(B)
+    assert f"packed documents: {U} unit slots per physical batch" in text
+    engine = lf.compile(lf.PackedCausalLMLoss(_model().lm), config=lf.DPConfig(1.0, 1.0), packed_units=U)
+    methods = engine.lower(*empty_batch(B, T, U).tensors()).norm_methods
+    assert any(m.startswith("ghost") for m in methods.values()) and any(m.startswith("per-sample")
+                                                                         for m in methods.values())
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  lm.")}
+    for name, method in methods.items():
+        assert lines[name].endswith(method), (name, method)
+    assert cli.main(["inspect", "-T", str(T), "--packed", "--cp", "2", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "packed documents run on one process" in err[0], err
