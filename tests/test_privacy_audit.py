@@ -158,6 +158,17 @@ def test_only_included_canaries_become_rows():
             assert torch.equal(rows[0][6:], canaries.ids[canaries.included])
 
 
+def test_a_black_box_canary_among_units_of_several_rows_is_a_unit_of_its_first_row():
+    ids = torch.randint(0, 256, (5, 3, 8))
+    fields = (ids, ids.clone())
+    canaries = draw_canaries(40, "black", seq_len=8, insecure_seed=2)
+    rows_ids, rows_labels = training_rows(fields, canaries)
+    chosen = canaries.ids[canaries.included]
+    assert rows_ids.shape == (5 + len(chosen), 3, 8) and torch.equal(rows_ids[:5], ids)
+    assert torch.equal(rows_ids[5:, 0], chosen) and torch.equal(rows_labels[5:, 0], chosen)
+    assert bool((rows_ids[5:, 1:] == 0).all()) and bool((rows_labels[5:, 1:] == -100).all())
+
+
 def test_coins_are_secret_unless_a_test_seed_is_asked_for():
     a, b = draw_canaries(256, "white"), draw_canaries(256, "white")
     assert not torch.equal(a.included, b.included)  # fresh OS keys: 2^-256 chance of equality

@@ -111,15 +111,22 @@ def training_rows(fields: tuple[torch.Tensor, ...], canaries: Canaries,
 
     White-box: every field gets a copy of ``null_row`` (default: real row 0; its model loss is
     discarded) for each canary, and a last column holds -1 (real) or the canary's index.
-    Black-box: ``fields`` must be (ids, labels); a canary row is its sequence as both.
+    Black-box: ``fields`` must be (ids, labels), (N, T) or units of R rows (N, R, T); a canary is
+    its sequence as both, in its unit's first row (the others padding: id 0, label -100).
     """
     n = fields[0].shape[0]
     chosen = canaries.included.nonzero().squeeze(1)
     if canaries.kind == "black":
         if len(fields) != 2:
             raise ValueError(f"black-box canaries need (ids, labels) rows, got {len(fields)} fields")
-        extra = canaries.ids[chosen].to(fields[0].dtype)
-        return tuple(torch.cat([f, extra]) for f in fields)
+        ids = canaries.ids[chosen].to(fields[0].dtype)
+        if fields[0].dim() == 3:
+            unit = ids.new_zeros(ids.shape[0], *fields[0].shape[1:])
+            unit[:, 0] = ids
+            labels = torch.full_like(unit, -100)
+            labels[:, 0] = ids
+            return torch.cat([fields[0], unit]), torch.cat([fields[1], labels])
+        return tuple(torch.cat([f, ids]) for f in fields)
     null_row = tuple(f[0] for f in fields) if null_row is None else null_row
     k = int(chosen.numel())
     out = [torch.cat([f, r.unsqueeze(0).expand(k, *r.shape).to(f.dtype)]) for f, r in zip(fields, null_row)]

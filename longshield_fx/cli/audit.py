@@ -16,14 +16,16 @@ import time
 import torch
 
 from .checkpoints import checkpoint_dir
-from .common import CLIError, Formatter, add_model_args, build_model, positive_int, say
-from .corpus import PRIVACY_UNIT
+from .common import CLIError, Formatter, add_model_args, positive_int, say
+from .train_data import add_data_args, build_model_for
 from .train import (Job, _announce, _check_args, _compile, _decide_sigma, _load_corpus, _open_run_dir,
                     _optimizer_corpus_device_args, _privacy_args)
 
 DESCRIPTION = (
-    "Empirical privacy audit in one training run. Runs the job of 'longshield-fx train' (same flags,\n"
-    "corpus, calibrated σ, Poisson sampling, DP-SGD loop) with --canaries m extra rows, each included\n"
+    "Empirical privacy audit in one training run. Runs the job of 'longshield-fx train' (same flags:\n"
+    "the embedded corpus or your --data, a reference model or your --model DIR / --hf-config, full or\n"
+    "--lora; calibrated σ, Poisson sampling, DP-SGD loop; --data is not packed here) with --canaries m\n"
+    "extra privacy units of one row each, each included\n"
     "independently with probability 1/2 by a secret coin, then guesses from what the run released\n"
     "which canaries were in and turns the right guesses into a lower bound on ε at --confidence\n"
     "(Steinke, Nasr and Jagielski, 'Privacy auditing with one training run', NeurIPS 2023; the best of\n"
@@ -48,10 +50,9 @@ def add_parser(sub) -> None:
     a = sub.add_parser("audit", formatter_class=Formatter, description=DESCRIPTION,
                        help="empirical ε lower bound from one training run with canaries")
     add_model_args(a, seq_len_default=2048)
-    # The audit trains on the embedded corpus with full fine-tuning: train's data and LoRA flags are off.
-    a.set_defaults(physical_batch_size=4, func=audit, resume=None, save_every=0, keep_checkpoints=1, data=None,
-                   eval_data=None, eval_fraction=None, lora=None)
+    a.set_defaults(physical_batch_size=4, func=audit, resume=None, save_every=0, keep_checkpoints=1)
     _privacy_args(a)
+    add_data_args(a)
     _optimizer_corpus_device_args(a)
     a.add_argument("--out", default="runs/audit", metavar="DIR", help="output directory")
     a.add_argument("--canaries", type=positive_int, default=1000, metavar="M",
@@ -83,7 +84,11 @@ def audit(args) -> int:
     _check_args(job)
     _load_corpus(job)
     _check_canaries(args, job.delta)
-    base, job.model_desc, job.model_name = build_model(args)
+    build_model_for(job)
+    if args.data and not args.no_pack:
+        job.unpacked_why = "the audit's canaries are privacy units of their own rows"
+    base = job.model
+    _check_black_box_vocabulary(args, base)
     job.device = torch.device(args.device)
     base.to(job.device)
     # Drawn before training from their own secret stream (or --insecure-seed's, for tests).
@@ -93,10 +98,19 @@ def audit(args) -> int:
     scoring.start(job)
     _open_run_dir(job)
     _announce(job)
-    say(f"audit: {canaries.m} {args.kind}-box canaries, each one extra row included by a secret fair coin; "
+    say(f"audit: {canaries.m} {args.kind}-box canaries, each one extra privacy unit (one row) included by a secret fair coin; "
         f"the gradient divisor is the public E[B] = {job.batches.expected_batch_size:g} (counting m/2 canaries)")
     run_steps(job)
     return _report(job, canaries, scoring.finish())
+
+
+def _check_black_box_vocabulary(args, model) -> None:
+    """Black-box canaries are random bytes: token ids 0..255 must all be tokens of the model."""
+    embeddings = model.lm.get_input_embeddings() if hasattr(model.lm, "get_input_embeddings") else None
+    vocab = embeddings.num_embeddings if embeddings is not None else 256
+    if args.kind == "black" and vocab < 256:
+        raise CLIError(f"--kind black: the canaries are random bytes (token ids 0..255) but the model has {vocab} "
+                       "tokens; use --kind white")
 
 
 def _check_canaries(args, delta: float) -> None:
@@ -129,7 +143,8 @@ class _Scoring:
         corpus = job.corpus
         null_row = (corpus.ids[0], torch.full_like(corpus.ids[0], -100))  # white-box rows: no token loss
         _compile(job, TensorDataset(*training_rows((corpus.ids, corpus.labels), self.canaries, null_row)))
-        job.batches = PublicDivisor(job.batches, job.q * (corpus.num_documents + self.canaries.m / 2))
+        job.batches = PublicDivisor(job.batches, job.q * (corpus.num_units + self.canaries.m / 2))
+        job.eval_model = self.base  # held-out documents are scored without the audit parameter
         if self.white:
             self.recorder = WhiteBoxScores(self.canaries.m, noise_multiplier=job.sigma, sample_rate=job.q,
                                            max_grad_norm=job.args.max_grad_norm)
@@ -152,10 +167,10 @@ def _report(job: Job, canaries, scores) -> int:
     args = job.args
     included = canaries.included.numpy()
     claimed = job.engine.epsilon(job.delta)
-    run = {"command": "longshield-fx audit", "privacy_unit": "document (add/remove one document); a canary is one "
-           "row", "noise_multiplier": job.sigma, "sample_rate": job.q, "steps": args.steps,
+    run = {"command": "longshield-fx audit", "privacy_unit": f"{job.unit}; a canary is one unit of its own",
+           "noise_multiplier": job.sigma, "sample_rate": job.q, "steps": args.steps,
            "max_grad_norm": args.max_grad_norm, "clipping": args.clipping, "accountant": args.accountant,
-           "documents": job.corpus.num_documents, "seq_len": args.seq_len, "model": job.model_name,
+           "documents": job.corpus.num_documents, "units": job.corpus.num_units, "seq_len": args.seq_len, "model": job.model_name,
            "expected_batch_size": job.batches.expected_batch_size, "insecure_seed": args.insecure_seed,
            "wall_s": round(time.time() - job.t_start, 1)}
     report = AuditReport(canaries.kind, claimed, audit_bound(scores, included, job.delta, args.confidence), scores,
@@ -165,7 +180,7 @@ def _report(job: Job, canaries, scores) -> int:
     verdict = ("ABOVE the claimed ε: this run is less private than claimed" if report.bound.epsilon > claimed else
                "below the claimed ε: no violation found (a lower bound; it does not show the claim is tight)")
     say(f"audit: {report.line()}; {verdict}")
-    say(f"privacy: ε = {claimed:.3f} {PRIVACY_UNIT}, δ = {job.delta:.3g}, {args.accountant.upper()} accountant "
+    say(f"privacy: ε = {claimed:.3f} {job.unit}, δ = {job.delta:.3g}, {args.accountant.upper()} accountant "
         f"(σ = {job.sigma:.4g}, q = {job.q:.4g}, {args.steps} steps)"
         + (f"; VOID: --insecure-seed {args.insecure_seed} made the noise, the sampling and the coins public"
            if args.insecure_seed is not None else ""))

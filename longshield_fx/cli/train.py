@@ -190,6 +190,8 @@ class Job:
     rows: list = field(default_factory=list)
     t_loop: float = 0.0
     observe: object = None               # ``longshield-fx audit`` only: called with (job, logical) after finalize
+    eval_model: torch.nn.Module = None   # what scores the held-out documents (default: model; the audit's: without
+                                         # its canary parameter)
 
     @property
     def rank0(self) -> bool:

@@ -110,7 +110,8 @@ def _evaluate_on_rank0(job: Job) -> dict:
     part in gathering the whole model for the evaluation."""
     whole = job.engine.sharding.whole_parameters(job.model) if job.fsdp else contextlib.nullcontext()
     with whole:
-        return evaluate(job.model, job.eval_set, job.args.physical_batch_size, job.device) if job.rank0 else {}
+        return evaluate(job.eval_model or job.model, job.eval_set, job.args.physical_batch_size, job.device) \
+            if job.rank0 else {}
 
 
 @torch.no_grad()

@@ -300,3 +300,20 @@ def test_a_chosen_sample_rate_is_public_and_the_expected_batch_size_is_not(tmp_p
     assert summary["sample_rate"] == privacy["sample_rate"] == 0.3
     assert privacy["sample_rate_source"] == summary["sample_rate_source"] == "chosen (--sample-rate): public"
     assert "expected_batch_size" not in summary and summary["not_covered_by_dp"]["expected_batch_size"] == 3.0
+
+
+def test_audit_of_a_lora_fine_tune_on_the_users_documents(world):
+    """`audit` takes train's model, data and LoRA flags: the user's own model directory, documents
+    of several rows per unit, LoRA and a held-out split (scored without the canary parameter)."""
+    run = world / "audit"
+    r = run_in_process(["audit", "--model", world / "random", "--data", world / "data", "--lora", 4,
+                        "--eval-fraction", 0.2, "--eval-every", 1, "--canaries", 200, "--accountant", "rdp",
+                        "--steps", 2, "--expected-batch-size", 8, "--physical-batch-size", 8, "--sigma", 1,
+                        "--insecure-seed", 0, *T, "--out", run], world)
+    assert r.returncode == 0, r.stderr
+    assert "not packed: the audit's canaries" in r.stdout and "+ LoRA r=4" in r.stdout
+    report = json.loads((run / "audit.json").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert report["claimed_epsilon"] == pytest.approx(rows[-1]["epsilon"]) and report["run"]["units"] == 40
+    assert all("eval_loss" in row["not_covered_by_dp"] for row in rows)
+    assert not (run / "final_model.pt").exists() and not (run / "model").exists()
