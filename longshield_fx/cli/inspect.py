@@ -25,7 +25,7 @@ DESCRIPTION = (
     "--cp N > 1 outside torchrun uses a fake process group of N ranks in this one process\n"
     "(shapes and collectives are real, nothing is sent).\n\n"
     "--packed shows the graph `train --data` runs by default: the rows hold packed documents and\n"
-    "the samples are unit slots (see README \"Packed documents\").")
+    "the samples are unit slots (docs/guides/packed-documents.md).")
 
 
 def add_parser(sub) -> None:

@@ -21,8 +21,13 @@ def add_parser(sub) -> None:
         description="Longest power-of-two context per GPU for DP training with longshield_fx (cp layout) and "
                     "for an FSDP-style layout, from the rewritten graph built on fake tensors.")
     p.set_defaults(func=plan)
-    p.add_argument("--model", choices=MODELS, metavar="MODEL",
-                   help=f"one of {', '.join(MODELS)} (default: none; required unless --table)")
+    p.add_argument("--model", metavar="NAME|DIR",
+                   help=f"one of {', '.join(MODELS)}, or a local Hugging Face model directory (only its config.json "
+                   "is read: the plan needs shapes, never weights) (default: none; required unless --table or "
+                   "--hf-config)")
+    p.add_argument("--hf-config", metavar="PATH", default=None,
+                   help="plan a Hugging Face causal LM of any architecture from this config JSON instead of --model "
+                   "(default: none)")
     p.add_argument("--gpus", type=positive_int, help="number of GPUs N (model states shard over all) "
                    "(default: none; required unless --table)")
     p.add_argument("--gpu-mem-gb", type=positive_float, help="memory per GPU in GiB (80 for an 80 GB H100) "
@@ -57,9 +62,14 @@ def _request(args) -> int:
     """The cp degree; refuses a request the planner cannot answer."""
     from ..tools.plan import PlanError, check_args
 
-    missing = [f"--{n.replace('_', '-')}" for n in ("model", "gpus", "gpu_mem_gb") if getattr(args, n) is None]
+    missing = [f"--{n.replace('_', '-')}" for n in ("gpus", "gpu_mem_gb") if getattr(args, n) is None]
+    if args.model is None and args.hf_config is None:
+        missing.insert(0, "--model")
     if missing:
         raise CLIError(f"the following arguments are required: {', '.join(missing)}")
+    if args.model is not None and args.hf_config is not None:
+        raise CLIError("--model and --hf-config both name the model: pass one")
+    args.model = _model(args)
     cp = args.gpus // args.hp if args.cp is None else args.cp
     try:
         check_args(args.model, args.gpus, args.gpu_mem_gb, cp, args.mbs, args.hp)
@@ -71,9 +81,29 @@ def _request(args) -> int:
     return cp
 
 
+def _model(args) -> str:
+    """The planner's model: a reference name, or a Hugging Face config (``plan_graphs.hf_model``)."""
+    from ..tools.plan import MODELS
+    from ..tools.plan_graphs import hf_model
+    from . import hf
+
+    if args.hf_config:
+        return hf_model(hf.load_config_json(args.hf_config))
+    if args.model in MODELS:
+        return args.model
+    if not Path(args.model).is_dir():
+        raise CLIError(f"--model {args.model}: neither one of {', '.join(MODELS)} nor a model directory")
+    transformers = hf._transformers("--model DIR")
+    try:
+        return hf_model(transformers.AutoConfig.from_pretrained(args.model, local_files_only=True))
+    except (OSError, ValueError, KeyError) as e:
+        raise CLIError(f"--model {args.model}: no usable config.json in it ({' '.join(str(e).split())})") from None
+
+
 def plan(args) -> int:
     from ..tools import paper_tables
     from ..tools.plan import format_plan, plan as make_plan
+    from ..tools.plan_graphs import model_label
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else None
     if args.table:
@@ -86,7 +116,7 @@ def plan(args) -> int:
     plans = make_plan(args.model, args.gpus, args.gpu_mem_gb, cp=cp, checkpoint=args.checkpoint, mbs=args.mbs,
                       dtype=args.dtype, overhead_gib=args.overhead_gb, cache_dir=cache_dir, jobs=args.jobs,
                       hp=args.hp)
-    header = (f"longshield-fx plan: {args.model}, {args.gpus} x {args.gpu_mem_gb:g} GiB, mbs {args.mbs}, "
+    header = (f"longshield-fx plan: {model_label(args.model)}, {args.gpus} x {args.gpu_mem_gb:g} GiB, mbs {args.mbs}, "
               f"{args.dtype} ({time.perf_counter() - start:.0f}s)")
     print(format_plan(list(plans), header=header))
     if args.seq_len is not None:
@@ -105,14 +135,12 @@ def plan(args) -> int:
 
 def search_table(model: str, gpus: int, T: int, mbs: int, dtype: str, cluster: str) -> str:
     """Every attention layout of ``gpus`` sequence-parallel ranks, fastest first, by the cost model."""
-    from ..models import CONFIGS
     from ..tools.cost_model import HARDWARE, search_attention
-    from ..tools.plan import DTYPES, tokens
+    from ..tools.plan import DTYPES, model_shape, tokens
 
-    cfg = CONFIGS[model]
-    costs = search_attention(HARDWARE[cluster], gpus, batch=mbs, seq_len=T, heads=cfg.n_heads,
-                             kv_heads=cfg.n_kv_heads, head_dim=cfg.dim // cfg.n_heads,
-                             elem_bytes=DTYPES[dtype].itemsize)
+    shape = model_shape(model)
+    costs = search_attention(HARDWARE[cluster], gpus, batch=mbs, seq_len=T, heads=shape["heads"],
+                             kv_heads=shape["kv_heads"], head_dim=shape["head_dim"], elem_bytes=DTYPES[dtype].itemsize)
     lines = [f"attention layouts of {gpus} ranks on {cluster} at T={tokens(T)} (cost model, one layer fwd + bwd, "
              "LoongTrain section 4.5):", f"{'layout':<44} {'total ms':>9} {'ring ms':>9} {'all-to-all ms':>14}"]
     lines += [f"{c.layout.label():<44} {c.total * 1e3:9.3f} {c.ring * 1e3:9.3f} {c.all_to_all * 1e3:14.3f}"

@@ -121,7 +121,7 @@ def _optimizer_corpus_device_args(p) -> None:
                    help="stdlib .py files read (sorted by path) for the corpus; 0 reads all")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model and the compiled step run (cuda: NCCL under torchrun; per-sample "
-                   "gradients and clipped sums checked on one H100, README 'GPUs'; NCCL across ranks not yet run)")
+                   "gradients and clipped sums checked on one H100, docs/gpus.md; NCCL across ranks not yet run)")
 
 
 def _output_args(p) -> None:

@@ -14,7 +14,7 @@ cost model below prefers it. ``clip`` then never forms the (B, m, n) per-sample 
 
 Cost model, per layer: ghost when 2T(m+n) ≤ m·n. The Grams cost B·T²·(m+n) float64
 multiply-adds where the per-sample einsum cost B·T·m·n in the compute dtype; counting a
-float64 one as two (this CPU; see the note in README), ghost is then no slower, and the L
+float64 one as two (this CPU; see docs/benchmarks.md), ghost is then no slower, and the L
 and R it keeps until the clip (B·T·(m+n) values) are at most half the (B, m, n) per-sample
 gradient. DP-ZeRO's rule, 2T² ≤ m·n, compares only the Grams' size with the gradient's;
 measured here (``benchmarks/ghost_norm.py``: one Linear(1024, 1024), B=8) ghost took 1.00×

@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from ..config import DPConfig
-from .plan_graphs import DTYPES, Capture, GraphSpec, measure, prefetch
+from .plan_graphs import DTYPES, HF_CONFIG, Capture, GraphSpec, measure, model_label, model_shape, prefetch
 
 __all__ = ["DTYPES", "Breakdown", "GraphFit", "GraphSpec", "LayoutPlan", "ModelStats", "PlanError", "check_args",
            "fit_graph", "fit_points", "fit_requests", "format_plan", "measure", "model_stats", "plan", "plan_layout",
@@ -84,58 +84,71 @@ MAX_LOG2_T = 24  # the search stops at 16M tokens
 
 @dataclass
 class GraphFit:
-    """Per-node live bytes = intercept + slope * T, from captures at two T (same nodes)."""
+    """Per-node live bytes = intercept + slope * T + curvature * T², from captures at two T
+    (curvature 0: the affine model) or three (same nodes)."""
 
     spec: GraphSpec
-    T_points: tuple[int, int]
+    T_points: tuple[int, ...]
     intercept: torch.Tensor  # float64 (nodes,)
     slope: torch.Tensor
+    curvature: torch.Tensor
     names: list[str]
     batch_intercept: float
     batch_slope: float
     capture_s: float
 
     @classmethod
-    def from_captures(cls, spec: GraphSpec, a: Capture, b: Capture) -> "GraphFit":
-        if a.ops_digest != b.ops_digest or len(a.timeline) != len(b.timeline):
-            raise RuntimeError(f"plan: the graph of {spec.label()} has different nodes at T={a.T} and T={b.T}; "
-                               "its memory cannot be fitted per node (report this: the planner assumes the "
-                               "graph's structure does not depend on T)")
-        ta = torch.tensor(a.timeline, dtype=torch.float64)
-        tb = torch.tensor(b.timeline, dtype=torch.float64)
-        slope = (tb - ta) / (b.T - a.T)
-        if bool((slope < 0).any()):
-            i = int(torch.argmin(slope))
+    def from_captures(cls, spec: GraphSpec, *caps: Capture) -> "GraphFit":
+        a = caps[0]
+        for b in caps[1:]:
+            if a.ops_digest != b.ops_digest or len(a.timeline) != len(b.timeline):
+                raise RuntimeError(f"plan: the graph of {spec.label()} has different nodes at T={a.T} and T={b.T}; "
+                                   "its memory cannot be fitted per node (report this: the planner assumes the "
+                                   "graph's structure does not depend on T)")
+        Ts = torch.tensor([c.T for c in caps], dtype=torch.float64)
+        live = torch.tensor([c.timeline for c in caps], dtype=torch.float64)  # (points, nodes)
+        powers = torch.stack([Ts ** k for k in range(len(caps))], 1)  # an exact fit: as many terms as points
+        coef = torch.linalg.solve(powers, live)
+        curvature = coef[2] if len(caps) == 3 else torch.zeros_like(coef[0])
+        grows = (live[1:] - live[:-1] >= 0).all(0) & (curvature >= -1e-6)
+        if not bool(grows.all()):
+            i = int(torch.nonzero(~grows)[0])
             raise RuntimeError(f"plan: live bytes at node {a.names[i]} shrink with T in {spec.label()}; "
-                               "the affine model does not hold")
+                               "the fitted model does not hold")
+        b = caps[1]
         bslope = (b.batch_bytes - a.batch_bytes) / (b.T - a.T)
-        return cls(spec, (a.T, b.T), ta - slope * a.T, slope, a.names,
-                   a.batch_bytes - bslope * a.T, bslope, a.capture_s + b.capture_s)
+        return cls(spec, tuple(c.T for c in caps), coef[0], coef[1], curvature, a.names,
+                   a.batch_bytes - bslope * a.T, bslope, sum(c.capture_s for c in caps))
 
     def peak(self, T: int) -> tuple[float, str]:
         """(bytes, node name) of the graph's peak at ``T``: intermediates plus batch inputs."""
-        live = self.intercept + self.slope * T
+        live = self.intercept + self.slope * T + self.curvature * T * T
         i = int(torch.argmax(live))
         return float(live[i]) + self.batch_intercept + self.batch_slope * T, self.names[i]
 
 
-def fit_points(cp: int) -> tuple[int, int]:
-    """The two sequence lengths captured: 1024 and 2048 tokens per cp rank. From one
-    ``DPConfig.loss_chunk`` of positions on (1024 rows: the planner's micro-batches have
-    mbs ≥ 1) the chunked loss's working set, one chunk of logits, stops growing with T, so
-    every node's live bytes are affine in T from the first point on."""
+def fit_points(sp: int, quadratic: bool = False) -> tuple[int, ...]:
+    """The sequence lengths captured: 1024 and 2048 tokens per sequence-parallel rank (and 4096
+    for a ``quadratic`` fit). From one ``DPConfig.loss_chunk`` of positions on (1024 rows: the
+    planner's micro-batches have mbs ≥ 1) the chunked loss's working set, one chunk of logits,
+    stops growing with T, so every node's live bytes are affine in T from the first point on
+    for the reference Llama (flash attention, no T x T tensor). A Hugging Face model's traced
+    attention builds its (T, T) mask, so its fit is quadratic."""
     assert DPConfig.loss_chunk <= 1024
-    return 1024 * cp, 2048 * cp
+    return (1024 * sp, 2048 * sp, 4096 * sp) if quadratic else (1024 * sp, 2048 * sp)
+
+
+def _points(spec: GraphSpec) -> tuple[int, ...]:
+    return fit_points(spec.sp, quadratic=spec.model.startswith(HF_CONFIG))
 
 
 def fit_requests(specs) -> list[tuple[GraphSpec, int]]:
     """The (spec, T) captures that ``fit_graph`` needs for each of ``specs`` (for ``prefetch``)."""
-    return [(spec, T) for spec in specs for T in fit_points(spec.sp)]
+    return [(spec, T) for spec in specs for T in _points(spec)]
 
 
-def fit_graph(spec: GraphSpec, cache_dir: Path | None = None, points: tuple[int, int] | None = None) -> GraphFit:
-    T1, T2 = points or fit_points(spec.sp)
-    return GraphFit.from_captures(spec, measure(spec, T1, cache_dir), measure(spec, T2, cache_dir))
+def fit_graph(spec: GraphSpec, cache_dir: Path | None = None, points: tuple[int, ...] | None = None) -> GraphFit:
+    return GraphFit.from_captures(spec, *(measure(spec, T, cache_dir) for T in points or _points(spec)))
 
 
 # --- model states -------------------------------------------------------------------------------
@@ -165,14 +178,13 @@ def _shard_numel(name: str, overrides: tuple, gpus: int) -> int:
     key = (name, overrides, gpus)
     if key not in _SHARDS:
         import longshield_fx as lf
-        from longshield_fx.models import Llama
         from longshield_fx.runtime.fsdp import Sharding
 
         from .._torch import FakeTensorMode
-        from .plan_graphs import _world
+        from .plan_graphs import _world, build_lm
 
         with FakeTensorMode():
-            model = lf.CausalLMLoss(Llama.from_name(name, **dict(overrides)))
+            model = lf.CausalLMLoss(build_lm(name, overrides))
         with _world(1, dp=gpus) as mesh:
             sharding = Sharding(mesh, tuple(mesh.mesh_dim_names))
             sharding.shard_model(model)
@@ -181,17 +193,18 @@ def _shard_numel(name: str, overrides: tuple, gpus: int) -> int:
 
 
 def model_stats(name: str, overrides: tuple = ()) -> ModelStats:
-    """Parameter count and FSDP units (each block; the embedding; the final norm + output head,
-    which with tied embeddings is the embedding itself) from the real module, on meta tensors."""
-    from longshield_fx.models import Llama
+    """Parameter count and FSDP units (each block; the embedding; the rest: the final norm and
+    the output head, which with tied embeddings is the embedding itself) from the real module, on
+    meta tensors. The blocks are the longest ``nn.ModuleList`` of the model."""
+    from .plan_graphs import build_lm
 
     with torch.device("meta"):
-        lm = Llama.from_name(name, **dict(overrides))
-    params = sum(p.numel() for p in lm.parameters())
-    units = [sum(p.numel() for p in block.parameters()) for block in lm.layers]
-    units.append(lm.tok_embeddings.weight.numel())
-    head = lm.norm.weight.numel() + (0 if lm.cfg.tie_embeddings else lm.lm_head.weight.numel())
-    units.append(head)
+        lm = build_lm(name, overrides)
+    params = sum(p.numel() for p in lm.parameters())  # a tied weight is one parameter, counted once
+    blocks = max((m for m in lm.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+    units = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    embedding = (lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else lm.tok_embeddings).weight.numel()
+    units += [embedding, params - sum(units) - embedding]
     return ModelStats(params, tuple(sorted(units, reverse=True)), name, tuple(overrides))
 
 
@@ -295,8 +308,10 @@ class PlanError(ValueError):
 
 
 def check_args(model: str, gpus, gpu_mem_gib, cp, mbs, hp: int = 1) -> None:
-    if model not in MODELS:
-        raise PlanError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    """``model``: one of ``MODELS`` or ``plan_graphs.hf_model(config)``."""
+    if model not in MODELS and not model.startswith(HF_CONFIG):
+        raise PlanError(f"unknown model {model!r}; choose from {', '.join(MODELS)}, or a Hugging Face model "
+                        "directory or config JSON")
     if not (isinstance(gpus, int) and gpus > 0):
         raise PlanError(f"--gpus must be a positive integer, got {gpus}")
     if not gpu_mem_gib > 0:
@@ -307,11 +322,9 @@ def check_args(model: str, gpus, gpu_mem_gib, cp, mbs, hp: int = 1) -> None:
         raise PlanError(f"--hp must be a positive integer, got {hp}")
     if gpus % (cp * hp):
         raise PlanError(f"--cp {cp}" + (f" x --hp {hp}" if hp > 1 else "") + f" does not divide --gpus {gpus}")
-    from longshield_fx.models import CONFIGS
-
-    heads = CONFIGS[model].n_heads
+    heads = model_shape(model)["heads"]
     if heads % hp:
-        raise PlanError(f"--hp {hp} does not divide {model}'s {heads} attention heads")
+        raise PlanError(f"--hp {hp} does not divide {model_label(model)}'s {heads} attention heads")
     if not (isinstance(mbs, int) and mbs > 0):
         raise PlanError(f"--mbs must be a positive integer, got {mbs}")
 
@@ -346,9 +359,10 @@ def format_plan(plans: list[LayoutPlan], *, header: str) -> str:
         "; gathered = the two largest FSDP units unsharded (in use + prefetched).",
         "graph = liveness peak of the captured per-rank training graph (activations, per-sample gradients "
         "and their cp shards, collective buffers, clipped sums, batch), from fake-tensor metadata; each node "
-        "fitted as a + b*T from captures at T = " +
-        ", ".join(f"{p.fit.T_points[0]}/{p.fit.T_points[1]} ({p.title})" for p in plans) +
-        " (exact for this graph: flash attention, no T x T tensor).",
+        "fitted as a + b*T" + (" + c*T² (a Hugging Face model's traced attention builds a T x T mask)"
+                               if len(first.fit.T_points) == 3 else "") + " from captures at T = " +
+        ", ".join(f"{'/'.join(map(str, p.fit.T_points))} ({p.title})" for p in plans) +
+        (" (exact for this graph: flash attention, no T x T tensor)." if len(first.fit.T_points) == 2 else "."),
         f"overhead = {first.overhead / GiB:g} GiB fixed (default: an 80 GB H100 exposes 79.2 GiB, CUDA context + "
         "cuBLAS + NCCL take 1.2 GiB, measured; allocator fragmentation 3 GiB, longshield.md Table 5 text); "
         "not graph-derived, nor are model states and gathered.",

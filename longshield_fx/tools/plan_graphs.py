@@ -34,10 +34,56 @@ from ..passes._graph import nbytes
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+HF_CONFIG = "hf-config:"  # a GraphSpec.model of a Hugging Face architecture: this prefix, then its config JSON
+
+
+def hf_model(config) -> str:
+    """The ``GraphSpec.model`` of a Hugging Face config (a ``PretrainedConfig``): its whole JSON,
+    so the spec pickles to the capture workers and keys the disk cache by the config's content."""
+    return HF_CONFIG + config.to_json_string(use_diff=False)
+
+
+def build_lm(model: str, overrides: tuple = ()) -> torch.nn.Module:
+    """The language model a spec names: a reference Llama (``longshield_fx.models.CONFIGS``, with
+    ``overrides``) or, for ``hf_model(config)``, that Hugging Face architecture with SDPA attention,
+    randomly initialised (call under a fake or meta mode: the planner needs shapes only)."""
+    if model.startswith(HF_CONFIG):
+        import transformers
+
+        fields = json.loads(model[len(HF_CONFIG):])
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                             dtype=torch.get_default_dtype())
+    from longshield_fx.models import Llama
+
+    return Llama.from_name(model, **dict(overrides))
+
+
+def model_shape(model: str) -> dict:
+    """Layers, attention heads, K/V heads and head dim of the model a spec names."""
+    if model.startswith(HF_CONFIG):
+        c = json.loads(model[len(HF_CONFIG):])
+        heads = c["num_attention_heads"]
+        return {"layers": c["num_hidden_layers"], "heads": heads, "kv_heads": c.get("num_key_value_heads") or heads,
+                "head_dim": c.get("head_dim") or c["hidden_size"] // heads}
+    from longshield_fx.models import CONFIGS
+
+    cfg = CONFIGS[model]
+    return {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "head_dim": cfg.dim // cfg.n_heads}
+
+
+def model_label(model: str) -> str:
+    if model.startswith(HF_CONFIG):
+        c = json.loads(model[len(HF_CONFIG):])
+        return f"HF {(c.get('architectures') or [c['model_type']])[0]} ({c['num_hidden_layers']} layers)"
+    return model
+
+
 @dataclass(frozen=True)
 class GraphSpec:
-    """What decides the per-rank graph: model, cp degree, checkpointing, micro-batch, dtype,
-    head-parallel degree (2D attention: the sequence is sharded over cp x hp ranks)."""
+    """What decides the per-rank graph: model (a reference name or ``hf_model(config)``), cp
+    degree, checkpointing, micro-batch, dtype, head-parallel degree (2D attention: the sequence
+    is sharded over cp x hp ranks)."""
 
     model: str
     cp: int = 1
@@ -54,7 +100,7 @@ class GraphSpec:
 
     def label(self) -> str:
         extra = "".join(f",{k}={v}" for k, v in self.overrides)
-        return (f"{self.model}{extra} cp={self.cp}" + (f" hp={self.hp}" if self.hp > 1 else "") +
+        return (f"{model_label(self.model)}{extra} cp={self.cp}" + (f" hp={self.hp}" if self.hp > 1 else "") +
                 f" checkpoint={self.checkpoint or 'none'} mbs={self.mbs} {self.dtype}")
 
     @property
@@ -113,10 +159,9 @@ def _build_model(spec: GraphSpec):
     the engine skips the copy and captures the same graph.
     """
     import longshield_fx as lf
-    from longshield_fx.models import Llama
 
     with _default_dtype(DTYPES[spec.dtype]):
-        return lf.CausalLMLoss(Llama.from_name(spec.model, **dict(spec.overrides)))
+        return lf.CausalLMLoss(build_lm(spec.model, spec.overrides))
 
 
 def _timeline(lowered, T: int, elapsed: float) -> Capture:
@@ -235,9 +280,7 @@ def measure(spec: GraphSpec, T: int, cache_dir: Path | None = None) -> Capture:
 
 def _cost(spec: GraphSpec) -> float:
     """Relative capture time (nodes grow with layers; cp adds ring attention and collectives)."""
-    from longshield_fx.models import CONFIGS
-
-    layers = dict(spec.overrides).get("n_layers", CONFIGS[spec.model].n_layers)
+    layers = dict(spec.overrides).get("n_layers", model_shape(spec.model)["layers"])
     return layers * (1.4 if spec.sp > 1 else 1.0) * (1.2 if spec.checkpoint else 1.0)
 
 

@@ -120,7 +120,11 @@ def test_model_stats_match_llama_parameter_counts():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--model", "llama-9000", "--gpus", "4", "--gpu-mem-gb", "80"], "invalid choice: 'llama-9000'"),
+    (["--model", "llama-9000", "--gpus", "4", "--gpu-mem-gb", "80"],
+     "--model llama-9000: neither one of llama3.2-1b, llama3.2-3b, llama3.1-8b nor a model directory"),
+    (["--model", "llama3.2-1b", "--hf-config", "x.json", "--gpus", "4", "--gpu-mem-gb", "80"],
+     "--model and --hf-config both name the model"),
+    (["--hf-config", "missing.json", "--gpus", "4", "--gpu-mem-gb", "80"], "--hf-config: no such file: missing.json"),
     (["--model", "llama3.2-1b", "--gpus", "0", "--gpu-mem-gb", "80"], "--gpus: must be > 0"),
     (["--model", "llama3.2-1b", "--gpus", "-4", "--gpu-mem-gb", "80"], "--gpus: must be > 0"),
     (["--model", "llama3.2-1b", "--gpus", "4", "--gpu-mem-gb", "0"], "--gpu-mem-gb: must be > 0"),
@@ -260,3 +264,37 @@ def test_main_plans_2d_attention_with_hp2(plans_4x80, capsys):
     assert two_d.max_T == plain_cp4.max_T, (two_d.max_T, plain_cp4.max_T)
     T = two_d.max_T
     assert two_d.breakdown(T).graph >= plain_cp4.breakdown(T).graph
+
+
+def test_a_hugging_face_model_is_planned_from_its_config(tmp_path, capsys):
+    """`plan --model DIR` and `--hf-config PATH` plan any HF causal LM from its config alone: the
+    model states are the real module's parameters and blocks, the per-node affine fit predicts a
+    direct capture at a third T, and both flags give the same plan."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path / "qwen")
+    config.to_json_file(tmp_path / "qwen.json")
+    model = plan_graphs.hf_model(config)
+    lm = transformers.AutoModelForCausalLM.from_config(config)
+    stats = P.model_stats(model)
+    assert stats.params == sum(p.numel() for p in lm.parameters())
+    blocks = [sum(p.numel() for p in block.parameters()) for block in lm.model.layers]
+    assert sorted(stats.units) == sorted(blocks + [lm.model.embed_tokens.weight.numel(),
+                                                   lm.lm_head.weight.numel() + lm.model.norm.weight.numel()])
+    spec = P.GraphSpec(model, 1, None, 1, "bf16")
+    T3 = 4 * P.fit_points(1)[1]
+    predicted, node = P.fit_graph(spec).peak(T3)
+    direct = P.measure(spec, T3)
+    assert predicted == pytest.approx(max(direct.timeline) + direct.batch_bytes, rel=0.02), node
+    tables = []
+    for flag in (["--model", tmp_path / "qwen"], ["--hf-config", tmp_path / "qwen.json"]):
+        argv = ["plan", *flag, "--gpus", 1, "--gpu-mem-gb", 4, "--overhead-gb", 0, "--cache-dir", "", "--jobs", 1]
+        assert cli.main([str(a) for a in argv]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("longshield-fx plan: HF qwen2 (2 layers), 1 x 4 GiB"), out[0]
+        tables.append(out[1:])
+    assert tables[0] == tables[1] and any(line.startswith("DP cp=1") and "OOM" not in line for line in tables[0])
+    assert torch.float32 == torch.get_default_dtype()  # the planner's bf16 build left the default alone
