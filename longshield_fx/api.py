@@ -46,7 +46,8 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
     the last tensor of every batch is then the (B, T) unit slot of each token, in [0, U], U
     for padding, and the samples (clipped, counted, accounted) are the U unit slots, not the
     rows; ``model.forward`` returns each row's summed loss (``PackedCausalLMLoss``). One
-    process for now: a mesh and fsdp are refused with it.
+    process or data parallelism alone for now: a mesh with cp or hp ranks, and fsdp, are refused
+    with it (each dp group packs its own share of the units: ``LogicalBatch.share``).
 
     ``disable_passes``: names of passes to leave out of the pipeline, for experiments and
     benchmarks (e.g. ``("overlap",)``); ``print(engine)`` shows the pipeline.
@@ -68,8 +69,10 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
             # overflows fp16 would turn the other units of its rows non-finite (and so drop them).
             raise ValueError("compile: packed documents do not run in float16 (one unit's overflow would reach the "
                              "other units of its rows through attention's zero weights); use bfloat16 or float32")
-        if mesh is not None or fsdp is not None:
-            raise ValueError("compile: packed documents (packed_units) run on one process for now; way out: "
-                             "unpacked batches (CLI --no-pack) for a mesh (cp, dp) or fsdp")
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if fsdp is not None or any(mesh.size(names.index(n)) > 1 for n in ("cp", "hp") if n in names):
+            raise ValueError("compile: packed documents (packed_units) run on one process or over data parallelism "
+                             "alone (a mesh whose cp and hp dims have one rank) for now; way out: unpacked batches "
+                             "(CLI --no-pack) for cp, hp or fsdp")
     return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp,
                   reshard_after_forward=reshard_after_forward, packed_units=packed_units)

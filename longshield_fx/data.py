@@ -49,6 +49,7 @@ class LogicalBatch:
     physical: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]
     sample_rate: float
     expected_size: float
+    blank: tuple | None = None  # a physical batch of no sample (default: the first one, fully masked)
 
     def share(self, rank: int, replicas: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
         """Replica ``rank``'s physical batches when ``replicas`` data-parallel groups split this
@@ -59,7 +60,7 @@ class LogicalBatch:
         if replicas == 1:
             return list(self.physical)
         per_group = -(-len(self.physical) // replicas)
-        blank = (self.physical[0][0], torch.zeros_like(self.physical[0][1]))
+        blank = self.blank or (self.physical[0][0], torch.zeros_like(self.physical[0][1]))
         padded = self.physical + [blank] * (per_group * replicas - len(self.physical))
         return padded[rank::replicas]
 
@@ -176,7 +177,12 @@ class PoissonBatches:
         indices = include.nonzero().squeeze(1)
         self._step += 1
         return LogicalBatch(size=int(indices.numel()), indices=indices, physical=self._physical(indices),
-                            sample_rate=self.sample_rate, expected_size=self.expected_batch_size)
+                            sample_rate=self.sample_rate, expected_size=self.expected_batch_size,
+                            blank=self._blank())
+
+    def _blank(self) -> tuple | None:
+        """A physical batch of no sample, for ``LogicalBatch.share`` (None: a fully masked one)."""
+        return None
 
     def _physical(self, indices: torch.Tensor) -> list:
         """The sampled examples as fixed-shape physical batches with their masks."""

@@ -197,3 +197,6 @@ class PackedPoissonBatches(PoissonBatches):
         if not packed:
             packed = [empty_batch(self.physical_batch_size, self.seq_len, self.unit_slots, self.pad_id)]
         return [(pb.tensors(), None) for pb in packed]
+
+    def _blank(self) -> tuple:
+        return empty_batch(self.physical_batch_size, self.seq_len, self.unit_slots, self.pad_id).tensors(), None

@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
                    help="double-ring attention: inner rings of W cp ranks (default: one ring)")
     i.add_argument("--packed", action="store_true",
                    help="packed documents: the --physical-batch-size rows hold up to 4 units per row, each its own "
-                   "privacy unit (the graph `train --data` runs on one process)")
+                   "privacy unit (the graph `train --data` runs on one process or on each data-parallel rank)")
     i.add_argument("--timeline", choices=list(HARDWARE), nargs="?", const="H100-NVLink", default=None,
                    help="draw the cost-model compute/communication timeline for this hardware to timeline.png in "
                    "--out and print the exposed communication (default: none; the flag alone: H100-NVLink)")

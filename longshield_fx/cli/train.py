@@ -163,7 +163,7 @@ class Job:
     dp_rank: int = 0
     corpus: object = None                # the training data: cli.corpus.Corpus or cli.documents.Documents
     eval_set: object = None              # held-out Documents, or None
-    packed: bool = False                 # --data packed into shared rows (not --no-pack, one process)
+    packed: bool = False                 # --data packed into shared rows (not --no-pack; one process or dp alone)
     unpacked_why: str | None = None      # why a --data run that would pack does not (the model)
     unit_slots: int = 0                  # packed: units per physical batch at most (its unit slots)
     packing: list = field(default_factory=lambda: [0, 0, 0, 0])  # packed: padding slots, slots, rows used, pieces
@@ -212,13 +212,13 @@ def train(args) -> int:
     _claim_run_dir(job)
     job.mesh, job.dp, job.dp_rank = setup_distributed(args.cp, args.device, "train")
     job.fsdp = _fsdp_dims(args.fsdp, job.mesh)
-    job.packed = bool(args.data) and not args.no_pack and job.mesh is None
     _load_corpus(job)
     build_model_for(job)
-    if job.packed:
+    if args.data and not args.no_pack:
         from ..losses import packing_refused
 
-        job.unpacked_why = packing_refused(job.model.lm)
+        job.unpacked_why = ("packed documents run on one process or over data-parallel ranks alone for now, not with "
+                            "--cp or --fsdp" if args.cp > 1 or job.fsdp else packing_refused(job.model.lm))
         job.packed = job.unpacked_why is None
     job.device = torch.device(args.device)
     job.model.to(job.device)
@@ -463,7 +463,7 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
     args = job.args
     rows = max(2, args.physical_batch_size * job.corpus.rows_per_unit)  # one row would run as two: refused
     job.unit_slots = unit_slots_for(rows)
-    job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), config=config, checkpoint=checkpoint,
+    job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
                             packed_units=job.unit_slots)
     try:
         job.engine.lower(*(t.to(job.device) for t in empty_batch(rows, args.seq_len, job.unit_slots).tensors()))

@@ -62,6 +62,7 @@ def _one_step(job: Job, logical, step: int) -> dict:
     nonfinite_before = engine.nonfinite_samples
     # loss sum, predicted tokens, real tokens of this rank's real rows, non-finite samples (NOT covered by DP)
     stats = torch.zeros(4, dtype=torch.float64)
+    packing = torch.zeros(4, dtype=torch.float64)  # packed: padding slots, slots, rows used, pieces (NOT covered)
     for (ids, labels, *extra), mask in mine:  # extra: the audit's canary column; none in train
         if mask is None:  # packed: (ids, labels, positions, units); the unit slots say who is in it
             loss_sum = engine.accumulate(*(t.to(job.device) for t in (ids, labels, *extra)))
@@ -69,10 +70,9 @@ def _one_step(job: Job, logical, step: int) -> dict:
             stats[0] += loss_sum.detach().double().cpu()
             stats[1] += int(((labels != -100) & (positions > 0)).sum())  # a piece's first token predicts nothing
             stats[2] += int((labels != -100).sum())
-            job.packing[0] += int((units == job.unit_slots).sum())
-            job.packing[1] += units.numel()
-            job.packing[2] += int((units != job.unit_slots).any(1).sum())
-            job.packing[3] += int(((positions == 0) & (units != job.unit_slots)).sum())
+            packing += torch.tensor([int((units == job.unit_slots).sum()), units.numel(),
+                                     int((units != job.unit_slots).any(1).sum()),
+                                     int(((positions == 0) & (units != job.unit_slots)).sum())], dtype=torch.float64)
             continue
         real = mask.bool()
         loss_sum = engine.accumulate(ids.to(job.device), labels.to(job.device), *(t.to(job.device) for t in extra),
@@ -90,9 +90,10 @@ def _one_step(job: Job, logical, step: int) -> dict:
     if dp > 1:
         group = job.mesh["dp"].get_group()
         device = job.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        stats = stats.to(device)
-        dist.all_reduce(stats, group=group)
-        stats = stats.cpu()
+        both = torch.cat([stats, packing]).to(device)
+        dist.all_reduce(both, group=group)
+        stats, packing = both.cpu().split(4)
+    job.packing = [a + int(b) for a, b in zip(job.packing, packing.tolist())]
     job.tokens_seen += int(stats[2])
     elapsed = job.elapsed_before + time.time() - job.t_loop
     loss = float(stats[0]) / float(stats[1]) if stats[1] > 0 else None

@@ -479,6 +479,39 @@ def test_torchrun_cp2_reports_the_same_epsilon_as_one_process(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_torchrun_packed_documents_over_2_data_parallel_ranks_train_as_one_process(tmp_path, capsys):
+    """`train --data` packs under torchrun with dp = 2 (cp = 1): each rank runs every other physical
+    batch of the same logical batch, the short rank a batch of padding, and the clipped sums meet in
+    finalize. Same key, same draws: the same ε, batch sizes and (to float summation order) model."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i, n in enumerate(torch.randint(5, 150, (40,), generator=g).tolist()):
+        (docs / f"{i:02d}.txt").write_text(" ".join(f"word{j % 17}" for j in range(n)))
+    args = ["train", "--data", docs, "--steps", 3, "-T", 64, "--max-rows", 4, "--physical-batch-size", 1,
+            "--expected-batch-size", 8, "--save-every", 0, "--insecure-seed", 3, "--log-private-stats",
+            "--accountant", "rdp", "--sigma", 1]
+    assert cli.main([str(a) for a in args] + ["--out", str(tmp_path / "one")]) == 0
+    one = capsys.readouterr().out
+    two = run_cli(*args, "--out", "two", cwd=tmp_path, launcher=[
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "longshield_fx"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "cp=1, dp=2" in two.stdout and "not packed" not in two.stdout
+    assert "packed into physical batches of 4 rows x 64 holding up to 16 units" in one
+    assert "packed into physical batches of 4 rows x 64 holding up to 16 units" in two.stdout
+    assert reported_epsilon(two.stdout) == reported_epsilon(one)
+    a, b = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "two")
+    sizes = [[r["not_covered_by_dp"]["logical_batch_size"] for r in rows] for rows in (a, b)]
+    assert sizes[0] == sizes[1] and sum(sizes[0]) > 0
+    assert train_losses(b) == pytest.approx(train_losses(a), rel=1e-5)
+    padding = [json.loads((tmp_path / run / "summary.json").read_text())["not_covered_by_dp"]["packing"]
+               ["padding_fraction"] for run in ("one", "two")]
+    assert padding[1] > padding[0]  # an odd number of physical batches: the short rank ran one of padding
+    torch.testing.assert_close(load_state(tmp_path / "two" / "final_model.pt"),
+                               load_state(tmp_path / "one" / "final_model.pt"), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
 def test_torchrun_restarts_a_run_whose_rank_died_from_its_newest_complete_checkpoint(tmp_path):
     """torchrun --max-restarts 1 relaunches the command as typed; it continues its own --out from
     step 4 (the step-6 checkpoint was cut by the kill and is never loaded), accounts steps 5-8

@@ -182,7 +182,7 @@ def test_segments_follow_units_and_positions_whatever_the_labels(setup):
         assert got.item() == pytest.approx((plain(a, a) + plain(b, b)).item(), rel=1e-5)
 
 
-def test_refusals(setup):
+def test_refusals(setup, fake_world):
     lm, engine = setup
     (pb, *_), _ = pack_documents(_units(), seq_len=T, rows=ROWS, unit_slots=U)
     with pytest.raises(ValueError, match="packed batches take no mask"):
@@ -191,8 +191,13 @@ def test_refusals(setup):
     bad[0, 0] = U + 1
     with pytest.raises(ValueError, match=r"unit slots must lie in \[0, 8\]"):
         engine.per_sample_grads(pb.input_ids, pb.labels, pb.position_ids, bad)
-    with pytest.raises(ValueError, match="run on one process for now"):
+    alone = "run on one process or over data parallelism alone"
+    with pytest.raises(ValueError, match=alone):
         lf.compile(lf.PackedCausalLMLoss(lm), fsdp=("dp",), packed_units=U)
+    with fake_world(2) as mesh, pytest.raises(ValueError, match=alone):
+        lf.compile(lf.PackedCausalLMLoss(lm), mesh, packed_units=U)
+    with fake_world(1, dp=2) as mesh:
+        assert lf.compile(lf.PackedCausalLMLoss(lm), mesh, packed_units=U).parallel.dp == 2
     with pytest.raises(ValueError, match="do not run in float16"):
         lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, compute_dtype=torch.float16), packed_units=U)
     for bad in (-1, True, 2.0):
