@@ -78,3 +78,10 @@ def test_readme_is_short_and_points_into_the_docs():
     for link in re.findall(r"\]\((docs/[^)#]+)", README):
         assert (ROOT / link).is_file(), link
     assert "../shared/" not in README
+
+
+def test_the_docs_show_the_test_command_ci_runs():
+    """`.ci/run` runs the line after README's `<!-- test-command -->` marker; Getting started shows it too."""
+    command = README.split("<!-- test-command -->\n```\n", 1)[1].split("\n", 1)[0]
+    assert "python -m pytest" in command and "--durations=25" in command
+    assert f"```\n{command}\n```" in (ROOT / "docs" / "getting-started.md").read_text()
