@@ -147,8 +147,75 @@ class Engine:
                 except UnsupportedModelError:
                     self._pad_one = False
                     raise
+            if graph == "train" and self.packed_units:
+                self._check_units_apart(lowered, self._padded(example_batch))
             self._lowered[graph] = lowered
         return lowered
+
+    def _check_units_apart(self, lowered: Lowered, batch: tuple) -> None:
+        """Packed documents: a unit's gradient may read its own tokens only, which the model's
+        attention mask must ensure and no pass can see (``PackedCausalLMLoss`` does; a custom
+        model may not). A probe on the example batch's values, laid out as two units (the first
+        and the second half of every row): replacing the first half's tokens must leave the
+        second unit's norm unchanged (causal attention without the document mask fails here),
+        and replacing the second half's the first unit's (a last token trained to predict the
+        next unit's first fails here). Three runs of the train graph at capture; skipped for
+        fake tensors and for a batch whose values cannot be varied (one token everywhere)."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if any(isinstance(t, FakeTensor) for t in batch):
+            return
+        B, T = batch[-1].shape
+        half = T // 2
+        units = torch.zeros_like(batch[-1])
+        units[:, half:] = 1
+        first, second = slice(0, half), slice(half, T)
+        generator = torch.Generator().manual_seed(0)
+
+        def replaced(tokens: slice) -> tuple | None:
+            out, changed = [], False
+            for t in batch[:-1]:
+                if t.dim() >= 2 and tuple(t.shape[:2]) == (B, T):
+                    new = t.clone()
+                    if t.is_floating_point():
+                        noise = torch.randn(new[:, tokens].shape, generator=generator).to(t)
+                        new[:, tokens] += noise * (t.abs().max() + 1)
+                    else:  # other values of the same tensor (token ids stay in range)
+                        new[:, tokens] = t.roll(1, 0).flip(1)[:, tokens]
+                    changed |= not torch.equal(new, t)
+                    t = new
+                out.append(t)
+            return (*out, units) if changed else None
+
+        probes = [replaced(first), replaced(second)]
+        if None in probes:
+            log.info("engine: the packed isolation probe is skipped: the example batch's values cannot be varied")
+            return
+        base, after_first, after_second = (self._probe_norms(lowered, b) for b in ((*batch[:-1], units), *probes))
+        if not bool(torch.isfinite(base[:2]).all()):
+            log.info("engine: the packed isolation probe is skipped: the example batch's norms are not finite")
+            return
+        for unit, after, other in ((1, after_first, "the first"), (0, after_second, "the second")):
+            if not float((after[unit] - base[unit]).abs()) <= 1e-6 * float(base[unit].abs()):
+                raise UnsupportedModelError(
+                    f"packed documents: the gradient of one unit changed when only {other} unit's tokens of its "
+                    f"rows changed (norm {float(base[unit]):.6g} -> {float(after[unit]):.6g}): this model lets the "
+                    "units of a row reach each other (e.g. attention without a document mask, or a last token "
+                    "trained on the next unit's first), so a unit would not be one sample. Way out: "
+                    "longshield_fx.PackedCausalLMLoss (block-diagonal causal attention), or unpacked batches "
+                    "(compile without packed_units, CLI --no-pack)")
+
+    def _probe_norms(self, lowered: Lowered, batch: tuple) -> torch.Tensor:
+        """The train graph's per-unit norms for ``batch``, every row counted, dropout drawn alike."""
+        captured = lowered.captured
+        cotangent = torch.ones(batch[0].shape[0], dtype=val(captured.cotangent_placeholder()).dtype,
+                               device=batch[0].device)
+        args = self._args(captured, self.parallel.shard(batch), cotangent)
+        device = batch[0].device
+        with torch.no_grad(), torch.random.fork_rng(**({} if device.type == "cpu" else {"device_type": device.type})):
+            torch.manual_seed(0)
+            _, norms, *_ = lowered.gm(*args)
+        return norms.double()
 
     def _padded(self, batch: tuple, mask: torch.Tensor | None = None):
         """``batch`` (and ``mask``) as the graph runs them: a batch of one as two rows, the second a

@@ -320,3 +320,36 @@ def test_a_non_finite_unit_leaves_the_other_norms_of_its_tile_finite():
     a[0, 0] = float("inf")
     dirty = segment_sq_norm(a, b, counts)
     assert not torch.isfinite(dirty[0]) and torch.equal(dirty[1:], clean[1:])
+
+
+class LeakyPackedModel(torch.nn.Module):
+    """PackedTokenProducts with ``leak``: "causal" sums every earlier token of the row into each
+    token (causal attention without a document mask), "label" adds each token's next token's
+    value to its own loss term (a last token trained on the next unit's first)."""
+
+    def __init__(self, leak: str | None):
+        super().__init__()
+        self.fc, self.leak = torch.nn.Linear(16, 16, bias=False), leak
+
+    def forward(self, x, v, units):
+        if self.leak == "causal":
+            x = x.cumsum(1)
+        y = self.fc(x) * v
+        if self.leak == "label":
+            y = y + torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1) * self.fc(x)
+        return (y.sum(-1) * (units >= 0)).sum(1)
+
+
+@pytest.mark.parametrize("leak", ["causal", "label", None])
+def test_a_model_that_lets_the_units_of_a_row_reach_each_other_is_refused(leak):
+    """No pass can see whether a custom model's attention keeps units apart; the probe at capture
+    varies one half of every row and watches the other half's unit: leaks are refused by name."""
+    torch.manual_seed(0)
+    engine = lf.compile(LeakyPackedModel(leak), config=lf.DPConfig(1.0, 0.0, insecure_seed=0), packed_units=4)
+    x, v = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    units = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2], [2, 2, 3, 3, 3, 3, 4, 4]])
+    if leak is None:
+        engine.accumulate(x, v, units)
+        return
+    with pytest.raises(UnsupportedModelError, match="lets the units of a row reach each other"):
+        engine.accumulate(x, v, units)
