@@ -50,6 +50,16 @@ TINY_IF_PRESENT = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2
 # the first MoE layer get one fewer (two layers: a dense one, then the MoE one; one: the MoE one).
 DECODER_LAYERS = ("decoder_layers", "num_decoder_layers")
 DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
+
+
+def _kv_shared(config, layers: int) -> int:
+    """Layers reusing an earlier layer's K/V cache (gemma3n: the last 15 of 35): the last one of two
+    (none of one), so the layer before it of the same kind produces the cache it reads; all of them
+    where all are (an assistant model reading its target model's cache)."""
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    if not shared:
+        return 0
+    return layers if shared == getattr(config, "num_hidden_layers", None) else layers - 1
 # What the generic shrinking cannot know about one architecture, each with why.
 OVERRIDES = {
     "deepseek_v2": dict(num_experts_per_tok=2),  # None by default (so not "present"); routing needs it
@@ -103,7 +113,8 @@ def tiny_config(model_type: str, layers: int = 2):
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     over = dict(TINY, num_hidden_layers=layers, attn_implementation="sdpa", experts_implementation="batched_mm")
-    present = dict(TINY_IF_PRESENT, **{k: layers for k in DECODER_LAYERS}, **{k: layers - 1 for k in DENSE_FIRST})
+    present = dict(TINY_IF_PRESENT, **{k: layers for k in DECODER_LAYERS}, **{k: layers - 1 for k in DENSE_FIRST},
+                   num_kv_shared_layers=_kv_shared(default, layers))
     over.update({k: v for k, v in present.items() if getattr(default, k, None) is not None})
     over.update(OVERRIDES.get(model_type, {}))
     over = {k: v for k, v in over.items() if _settable(default, k)}
@@ -147,7 +158,8 @@ def _present(config, field: str) -> bool:
 def _tiny_sub_config(sub, layers: int):
     """A sub-config (and its own sub-configs) with the tiny sizes wherever it has those fields."""
     cls = type(sub)
-    present = dict(TINY, **TINY_IF_PRESENT, **{k: layers for k in SUB_LAYERS}, **{k: layers - 1 for k in DENSE_FIRST})
+    present = dict(TINY, **TINY_IF_PRESENT, **{k: layers for k in SUB_LAYERS},
+                   **{k: layers - 1 for k in DENSE_FIRST}, num_kv_shared_layers=_kv_shared(sub, layers))
     fields = sub.to_dict()
     for k in ("layer_types", "per_layer_config", "no_rope_layers", "moe_layers"):  # per layer: derived from the count
         fields.pop(k, None)
