@@ -6,6 +6,7 @@ section is an earlier snapshot's, on torch 2.11); expect to fix small things on 
     python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
     python benchmarks/gpu_check.py dropout
     python benchmarks/gpu_check.py step [--seq-lens 4096 16384 32768] [--checkpoint none block]
+    python benchmarks/gpu_check.py packed [--device cuda] [--seq-lens 4096 16384 32768]
 
 ``zoo``: every architecture of tests/hf_zoo.py (tiny random config, B=2, T=12) compiled on
 ``cuda`` in ``--dtype`` (fp32 with TF32 off) against a float64 per-sample autograd loop on the
@@ -23,6 +24,16 @@ each layer). dp: ``accumulate`` + ``finalize`` (flat C=1, sigma=1, the secure Ch
 + AdamW. One fresh process per (method, T, checkpoint): one warm-up step (capture), then the
 median of 3 timed steps; peak = ``torch.cuda.max_memory_allocated`` over the timed steps;
 ``noise s`` = the median time of ``finalize`` (the noise draw, added to the gradient).
+dp-packed: two rows of T holding documents of log-normal lengths (median T/8), 16 unit slots
+(``compile(..., packed_units=16)``, ``PackedCausalLMLoss``); the table compares seconds per
+1k tokens, since it runs twice dp's tokens.
+
+``packed``: packed documents on ``--device`` against the CPU. Exactness: the reference "small"
+Llama (fp32, TF32 off) on a packed batch (4 rows of 256, 16 unit slots, documents split across
+rows): each unit's gradient and norm against each unit run alone on the CPU in float64, and the clipped
+sum (σ = 0) against the engine's own on the CPU. Attention: ``scaled_dot_product_attention`` in bf16, (1, 32 heads, T, 64), forward
++ backward, causal (``is_causal=True``: flash) against the block-diagonal causal mask of packed
+documents (a bool (T, T) mask: another kernel), median of 5, and the peak memory of each.
 """
 from __future__ import annotations
 
@@ -195,12 +206,26 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
     else:
-        engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, compute_dtype=torch.bfloat16),
-                            checkpoint=None if checkpoint == "none" else checkpoint)
-        logical = LogicalBatch(size=1, indices=torch.arange(1), physical=[], sample_rate=1e-3, expected_size=1.0)
+        config = lf.DPConfig(1.0, 1.0, compute_dtype=torch.bfloat16)
+        if method == "dp-packed":
+            from longshield_fx.packing import pack_documents
+            g = torch.Generator().manual_seed(0)
+            lengths = torch.exp(torch.randn(64, generator=g) * 1.2 + torch.log(torch.tensor(seq_len / 8))).long()
+            units = [[torch.randint(0, lm.cfg.vocab_size, (max(2, int(n)),), generator=g).tolist()] for n in lengths]
+            (packed, *_), _ = pack_documents(units, seq_len=seq_len, rows=2, unit_slots=16)
+            batch = tuple(t.cuda() for t in packed.tensors())
+            model = lf.PackedCausalLMLoss(lm)
+            engine = lf.compile(model, config=config, checkpoint=None if checkpoint == "none" else checkpoint,
+                                packed_units=16)
+            size = len(packed.members)
+        else:
+            engine = lf.compile(model, config=config, checkpoint=None if checkpoint == "none" else checkpoint)
+            batch, size = (ids, ids), 1
+        logical = LogicalBatch(size=size, indices=torch.arange(size), physical=[], sample_rate=1e-3,
+                               expected_size=1.0)
 
         def step():
-            engine.accumulate(ids, ids)
+            engine.accumulate(*batch)
             torch.cuda.synchronize()
             start = time.perf_counter()
             engine.finalize(logical)
@@ -208,7 +233,8 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str) -> None:
             noise.append(time.perf_counter() - start)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    result = {"method": method, "T": seq_len, "checkpoint": checkpoint}
+    tokens = {"eager": 1, "dp": 1, "dp-packed": 2}[method] * seq_len
+    result = {"method": method, "T": seq_len, "checkpoint": checkpoint, "tokens": tokens}
     try:
         start = time.perf_counter()
         step()
@@ -238,7 +264,7 @@ def step(args) -> None:
     for seq_len in args.seq_lens:
         for checkpoint in args.checkpoint:
             row = {}
-            for method in ("eager", "dp"):
+            for method in ("eager", "dp", "dp-packed"):
                 out = f"/tmp/gpu_step_{method}_{seq_len}_{checkpoint}.json"
                 subprocess.run([sys.executable, __file__, "_step_worker", method, str(seq_len), checkpoint, out],
                                env=env, timeout=args.timeout)
@@ -246,16 +272,97 @@ def step(args) -> None:
                 print(row[method], file=sys.stderr, flush=True)
             rows.append((seq_len, checkpoint, row))
     print(f"\n## llama3.2-1b, B=1, one step (torch {torch.__version__}, {torch.cuda.get_device_name()})\n")
-    print("| T | checkpoint | eager s / peak GiB | DP s / peak GiB | DP / eager time | DP noise s |")
-    print("|---|---|---|---|---|---|")
+    print("| T | checkpoint | eager s / peak GiB | DP s / peak GiB | DP / eager time | DP noise s | "
+          "DP packed (2 rows) s / peak GiB | s per 1k tokens: eager, DP, DP packed |")
+    print("|---|---|---|---|---|---|---|---|")
 
     def cell(r):
         return r["error"] if "error" in r else f"{r['step_s']:.3f} / {r['peak_gib']:.1f}"
+
+    def per_k(r):
+        return "-" if "error" in r else f"{1000 * r['step_s'] / r['tokens']:.4f}"
     for seq_len, checkpoint, row in rows:
-        e, d = row["eager"], row["dp"]
+        e, d, p = row["eager"], row["dp"], row["dp-packed"]
         ratio = f"{d['step_s'] / e['step_s']:.2f}" if "error" not in e and "error" not in d else "-"
         print(f"| {seq_len} | {checkpoint} | {cell(e)} | {cell(d)} | {ratio} | "
-              f"{d.get('noise_s') and round(d['noise_s'], 3)} |")
+              f"{d.get('noise_s') and round(d['noise_s'], 3)} | {cell(p)} | {per_k(e)}, {per_k(d)}, {per_k(p)} |")
+
+
+# ---------------------------------------------------------------- packed documents
+
+def packed(args) -> None:
+    import longshield_fx as lf
+    from longshield_fx.data import LogicalBatch
+    from longshield_fx.models.llama import Llama
+    from longshield_fx.packing import pack_documents, unit_pieces
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device, T, C = torch.device(args.device), 256, 0.05
+    torch.manual_seed(0)
+    lm = Llama.from_name("small")
+    g = torch.Generator().manual_seed(1)
+    lengths = [[int(n) for n in torch.randint(2, 300, (int(k),), generator=g)]  # at most 4 pieces a unit
+               for k in torch.randint(1, 3, (16,), generator=g)]
+    units = [[torch.randint(0, lm.cfg.vocab_size, (n,), generator=g).tolist() for n in docs] for docs in lengths]
+    (pb, *_), _ = pack_documents(units, seq_len=T, rows=4, unit_slots=16)
+    oracle = copy.deepcopy(lm).double()
+    alone = []
+    for unit in pb.members:  # each unit alone on the CPU in float64, each piece a row of its own
+        plain = lf.CausalLMLoss(oracle)
+        oracle.zero_grad()
+        for piece in unit_pieces(units[unit], T):
+            x = torch.tensor([piece])
+            plain(x, x).sum().backward()
+        alone.append({f"lm.{n}": p.grad.clone() for n, p in oracle.named_parameters()})
+    def clipped_sum(dev):
+        """(per-unit gradients, norms, clipped sum) of the engine on ``dev``."""
+        model = lf.PackedCausalLMLoss(copy.deepcopy(lm).to(dev))
+        tensors = tuple(t.to(dev) for t in pb.tensors())
+        engine = lf.compile(model, config=lf.DPConfig(C, 0.0, insecure_seed=0), packed_units=16)
+        grads = engine.per_sample_grads(*tensors)
+        engine.accumulate(*tensors)
+        norms = engine.last_norms.double().cpu()
+        engine.finalize(LogicalBatch(len(alone), torch.arange(len(alone)), [], 1.0, 1.0))
+        return grads, norms, {f"lm.{n}": p.grad.double().cpu() for n, p in model.lm.named_parameters()}
+
+    grads, norms, summed = clipped_sum(device)
+    per_unit = max(_rel({n: g[slot] for n, g in grads.items()}, ref) for slot, ref in enumerate(alone))
+    true = torch.tensor([sum(float(v.pow(2).sum()) for v in ref.values()) ** 0.5 for ref in alone])
+    # The clip factor's denominator holds the float64 book-keeping rounding bound κ·A_u by design (clip.py),
+    # so the clipped sum is compared with the same engine's on the CPU, not with an oracle's factor.
+    clipped = _rel(summed, clipped_sum(torch.device("cpu"))[2])
+    print(f"## packed documents on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
+          f"torch {torch.__version__}\n")
+    print(f"small Llama fp32, {len(alone)} units in 4 rows of {T}: per-unit gradients rel. err. {per_unit:.2e}, "
+          f"norms {float(((norms[:len(alone)] - true).abs() / true).max()):.2e} (against each unit alone, CPU "
+          f"float64); clipped sum {clipped:.2e} (against the engine on the CPU)\n")
+    if device.type != "cuda":
+        return
+    import torch.nn.functional as F
+    print("| T | causal (flash) ms / peak GiB | packed documents mask ms / peak GiB | mask / causal time |")
+    print("|---|---|---|---|")
+    for seq_len in args.seq_lens:
+        q, k, v = (torch.randn(1, 32, seq_len, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        starts = torch.zeros(seq_len, dtype=torch.bool, device=device)
+        starts[torch.randperm(seq_len)[:8].to(device)] = True  # about 8 documents, median T/8
+        starts[0] = True
+        segment = starts.cumsum(0)
+        mask = (segment[:, None] == segment[None, :]) & torch.ones(seq_len, seq_len, dtype=torch.bool,
+                                                                    device=device).tril()
+        cells = []
+        for kw in (dict(is_causal=True), dict(attn_mask=mask)):
+            times = []
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(6):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v, **kw).sum().backward()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            cells.append((statistics.median(times[1:]) * 1e3, torch.cuda.max_memory_allocated() / 2**30))
+        (tc, mc), (tm, mm) = cells
+        print(f"| {seq_len} | {tc:.2f} / {mc:.2f} | {tm:.2f} / {mm:.2f} | {tm / tc:.2f} |")
 
 
 def main() -> None:
@@ -279,8 +386,11 @@ def main() -> None:
     s.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
     s.add_argument("--checkpoint", nargs="+", default=["none", "block"])
     s.add_argument("--timeout", type=int, default=300)
+    k = sub.add_parser("packed")
+    k.add_argument("--device", default="cuda")
+    k.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
     args = p.parse_args()
-    {"zoo": zoo, "dropout": dropout, "step": step}[args.what](args)
+    {"zoo": zoo, "dropout": dropout, "step": step, "packed": packed}[args.what](args)
 
 
 if __name__ == "__main__":
