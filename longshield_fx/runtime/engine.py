@@ -160,7 +160,8 @@ class Engine:
         second unit's norm unchanged (causal attention without the document mask fails here),
         and replacing the second half's the first unit's (a last token trained to predict the
         next unit's first fails here). Three runs of the train graph at capture; skipped for
-        fake tensors and for a batch whose values cannot be varied (one token everywhere)."""
+        fake tensors, for a batch whose values cannot be varied, and where a unit has no gradient
+        to watch (a batch of padding, as the CLI compiles on)."""
         from torch._subclasses.fake_tensor import FakeTensor
 
         if any(isinstance(t, FakeTensor) for t in batch):
@@ -192,8 +193,9 @@ class Engine:
             log.info("engine: the packed isolation probe is skipped: the example batch's values cannot be varied")
             return
         base, after_first, after_second = (self._probe_norms(lowered, b) for b in ((*batch[:-1], units), *probes))
-        if not bool(torch.isfinite(base[:2]).all()):
-            log.info("engine: the packed isolation probe is skipped: the example batch's norms are not finite")
+        if not bool((torch.isfinite(base[:2]) & (base[:2] > 0)).all()):
+            log.info("engine: the packed isolation probe is skipped: the example batch gives a unit no finite, "
+                     "non-zero gradient to watch")
             return
         for unit, after, other in ((1, after_first, "the first"), (0, after_second, "the second")):
             if not float((after[unit] - base[unit]).abs()) <= 1e-6 * float(base[unit].abs()):
