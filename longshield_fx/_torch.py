@@ -16,7 +16,8 @@ private API                                                        why
 ``torch._dynamo.config`` ``allow_rnn``, ``torch._C._set_mkldnn_enabled``  nn.RNN/GRU/LSTM traced and decomposed
 ``torch._dynamo.variables.tensor.TensorVariable.var_getattr``        a buffer's ``persistent`` flag readable
                                                                    during capture (``_buffer_flags_readable``)
-``torch._subclasses.fake_tensor.FakeTensorMode``                     fake models (planner, tests)
+``torch._subclasses.fake_tensor.FakeTensorMode``, ``FakeTensor``     fake models (planner, tests); the packed
+                                                                   isolation probe skips fake batches
 ``torch._ops.OpOverload``                                            "is this an aten overload with tags"
 ``torch.ops._c10d_functional``                                       functional collectives in graphs
 ``torch.testing._internal.distributed.fake_pg``                      registers the "fake" process group
@@ -43,9 +44,9 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._functorch._aot_autograd import descriptors  # noqa: F401  (re-exported)
 from torch._ops import OpOverload  # noqa: F401  (re-exported)
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (re-exported)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401  (re-exported)
 
-__all__ = ["BatchArg", "COLLECTIVES", "GUARDS", "DynamoGuards", "FakeTensorMode", "OpOverload", "c10d", "descriptors",
+__all__ = ["BatchArg", "COLLECTIVES", "GUARDS", "DynamoGuards", "FakeTensor", "FakeTensorMode", "OpOverload", "c10d", "descriptors",
            "dtensor_batch_dims", "export_joint", "fake_world", "flattened_group", "sharding_mesh", "swapped_tensors",
            "resolve_process_group"]
 

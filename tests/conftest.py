@@ -212,6 +212,7 @@ class Launches:
             text = log.read()
             ranks = {} if world == "zoo" else {r: torch.load(out / f"rank{r}.pt", weights_only=False)
                                                for r in range(world) if (out / f"rank{r}.pt").exists()}
+            # A rank's file is replaced whole (cp_worker._save); a missing one shows in ``check`` with the log.
             self.done[world] = (rc, text, ranks)
         return self.done[world]
 

@@ -162,7 +162,7 @@ class Engine:
         next unit's first fails here). Three runs of the train graph at capture; skipped for
         fake tensors, for a batch whose values cannot be varied, and where a unit has no gradient
         to watch (a batch of padding, as the CLI compiles on)."""
-        from torch._subclasses.fake_tensor import FakeTensor
+        from .._torch import FakeTensor
 
         if any(isinstance(t, FakeTensor) for t in batch):
             return

@@ -340,6 +340,12 @@ def dead_peer() -> dict:
     return {"error": None}
 
 
+def _save(results: dict, path: str) -> None:
+    """Written whole or not at all: torchrun ends the other ranks when one fails, maybe mid-write."""
+    torch.save(results, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def main():
     out_path = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -352,10 +358,10 @@ def main():
             results[name] = fn(*args)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
-            torch.save(results, out_path)
+            _save(results, out_path)
             raise  # the ranks would fall out of step: stop the launch (the tests show the error)
         results[name]["_seconds"] = time.time() - start
-        torch.save(results, out_path)
+        _save(results, out_path)
 
     if world == 4:
         for cp in (4, 2):
