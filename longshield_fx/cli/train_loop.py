@@ -270,9 +270,10 @@ def finish(job: Job) -> int:
         f"steps); non-finite per-sample gradients (NOT covered by DP): {private['nonfinite_samples']}")
     if "packing" in private and private["packing"]["padding_fraction"] is not None:
         pk = private["packing"]
+        pieces = "no row held a document" if pk["pieces_per_row"] is None else \
+            f"{pk['pieces_per_row']:.2f} pieces of documents per row"  # None: every draw was empty
         say(f"packing (NOT covered by DP): {pk['padding_fraction']:.1%} of the token slots computed were padding "
-            f"({pk['padding_fraction_unpacked']:.1%} with --no-pack), {pk['pieces_per_row']:.2f} pieces of documents "
-            "per row")
+            f"({pk['padding_fraction_unpacked']:.1%} with --no-pack), {pieces}")
     if "eval" in private and "eval_loss" in private["eval"]:
         e = private["eval"]
         say(f"held-out loss/token (NOT covered by DP): {e['eval_loss']:.3f}, perplexity {e['eval_perplexity']:.2f} "

@@ -317,3 +317,14 @@ def test_audit_of_a_lora_fine_tune_on_the_users_documents(world):
     assert report["claimed_epsilon"] == pytest.approx(rows[-1]["epsilon"]) and report["run"]["units"] == 40
     assert all("eval_loss" in row["not_covered_by_dp"] for row in rows)
     assert not (run / "final_model.pt").exists() and not (run / "model").exists()
+
+
+def test_a_packed_run_whose_every_draw_was_empty_finishes(tmp_path):
+    """Packed, every Poisson draw empty (q tiny): one batch of padding per step, and the summary
+    says no row held a document (it used to fail formatting pieces per row: None)."""
+    write_folder(tmp_path / "data", documents(10, seed=7))
+    r = run_in_process(["train", "--data", tmp_path / "data", "--sample-rate", 1e-9, "--steps", 1, "-T", 32,
+                        "--max-rows", 2, "--physical-batch-size", 1, "--sigma", 1, "--save-every", 0,
+                        "--accountant", "rdp", "--insecure-seed", 0, "--out", tmp_path / "run"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "no row held a document" in r.stdout
