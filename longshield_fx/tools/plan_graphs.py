@@ -43,14 +43,19 @@ def hf_model(config) -> str:
     return HF_CONFIG + config.to_json_string(use_diff=False)
 
 
+def _hf_fields(model: str) -> dict | None:
+    """The config fields of a ``hf_model`` spec model, or None for a reference name."""
+    return json.loads(model[len(HF_CONFIG):]) if model.startswith(HF_CONFIG) else None
+
+
 def build_lm(model: str, overrides: tuple = ()) -> torch.nn.Module:
     """The language model a spec names: a reference Llama (``longshield_fx.models.CONFIGS``, with
     ``overrides``) or, for ``hf_model(config)``, that Hugging Face architecture with SDPA attention,
     randomly initialised (call under a fake or meta mode: the planner needs shapes only)."""
-    if model.startswith(HF_CONFIG):
+    fields = _hf_fields(model)
+    if fields is not None:
         import transformers
 
-        fields = json.loads(model[len(HF_CONFIG):])
         config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                              dtype=torch.get_default_dtype())
@@ -61,8 +66,8 @@ def build_lm(model: str, overrides: tuple = ()) -> torch.nn.Module:
 
 def model_shape(model: str) -> dict:
     """Layers, attention heads, K/V heads and head dim of the model a spec names."""
-    if model.startswith(HF_CONFIG):
-        c = json.loads(model[len(HF_CONFIG):])
+    c = _hf_fields(model)
+    if c is not None:
         heads = c["num_attention_heads"]
         return {"layers": c["num_hidden_layers"], "heads": heads, "kv_heads": c.get("num_key_value_heads") or heads,
                 "head_dim": c.get("head_dim") or c["hidden_size"] // heads}
@@ -73,8 +78,8 @@ def model_shape(model: str) -> dict:
 
 
 def model_label(model: str) -> str:
-    if model.startswith(HF_CONFIG):
-        c = json.loads(model[len(HF_CONFIG):])
+    c = _hf_fields(model)
+    if c is not None:
         return f"HF {(c.get('architectures') or [c['model_type']])[0]} ({c['num_hidden_layers']} layers)"
     return model
 
