@@ -153,4 +153,23 @@ def fixed_shape_experts(model: nn.Module):
             config._experts_implementation = chosen[key]
 
 
-__all__ = ["fixed_shape_experts"]
+@contextlib.contextmanager
+def for_capture(model: nn.Module):
+    """The swaps of a capture: ``fixed_shape_experts``, and, where ``model`` names a
+    ``capture_attention`` (an attention function registered with transformers), every Hugging
+    Face config inside it attends with that function (restored on exit)."""
+    name = getattr(model, "capture_attention", None)
+    configs = {} if name is None else {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+                                       if hasattr(c, "_attn_implementation")}
+    chosen = {key: config._attn_implementation for key, config in configs.items()}
+    for config in configs.values():
+        config._attn_implementation = name
+    try:
+        with fixed_shape_experts(model):
+            yield
+    finally:
+        for key, config in configs.items():
+            config._attn_implementation = chosen[key]
+
+
+__all__ = ["fixed_shape_experts", "for_capture"]

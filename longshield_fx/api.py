@@ -45,9 +45,10 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
     ``packed_units``: U > 0 when rows hold packed documents (``longshield_fx.pack_documents``):
     the last tensor of every batch is then the (B, T) unit slot of each token, in [0, U], U
     for padding, and the samples (clipped, counted, accounted) are the U unit slots, not the
-    rows; ``model.forward`` returns each row's summed loss (``PackedCausalLMLoss``). One
-    process or data parallelism alone for now: a mesh with cp or hp ranks, and fsdp, are refused
-    with it (each dp group packs its own share of the units: ``LogicalBatch.share``).
+    rows; ``model.forward`` returns each row's summed loss (``PackedCausalLMLoss``). It runs on
+    one process or over "dp" and "cp" mesh dims, with or without fsdp (each dp group packs its
+    own share of the units: ``LogicalBatch.share``; under cp the documents' attention runs round
+    the ring); an "hp" dim is refused with it for now.
 
     ``disable_passes``: names of passes to leave out of the pipeline, for experiments and
     benchmarks (e.g. ``("overlap",)``); ``print(engine)`` shows the pipeline.
@@ -70,9 +71,9 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
             raise ValueError("compile: packed documents do not run in float16 (one unit's overflow would reach the "
                              "other units of its rows through attention's zero weights); use bfloat16 or float32")
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if fsdp is not None or any(mesh.size(names.index(n)) > 1 for n in ("cp", "hp") if n in names):
-            raise ValueError("compile: packed documents (packed_units) run on one process or over data parallelism "
-                             "alone (a mesh whose cp and hp dims have one rank) for now; way out: unpacked batches "
-                             "(CLI --no-pack) for cp, hp or fsdp")
+        if "hp" in names and mesh.size(names.index("hp")) > 1:
+            raise ValueError("compile: packed documents (packed_units) run over 'dp' and 'cp' mesh dims (with or "
+                             "without fsdp), not yet over an 'hp' dim (2D attention); way out: a mesh without 'hp', "
+                             "or unpacked batches (CLI --no-pack)")
     return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp,
                   reshard_after_forward=reshard_after_forward, packed_units=packed_units)

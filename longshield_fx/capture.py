@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from ._torch import CaptureError, OpOverload, descriptors as d, export_joint
-from ._transformers import fixed_shape_experts
+from ._transformers import for_capture
 from .errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -96,7 +96,7 @@ def capture(model: nn.Module, example_batch: tuple) -> CapturedGraph:
     # on the live model is avoided: we only read it.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     try:
-        with fixed_shape_experts(model):
+        with for_capture(model):
             gm, fake_mode = export_joint(model, example_batch)
     except CaptureError as e:
         raise UnsupportedModelError(

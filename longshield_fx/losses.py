@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import UnsupportedModelError
-from .models.llama import document_mask
 
 
 def _is_hf_model(model: nn.Module) -> bool:
@@ -107,11 +106,9 @@ class PackedCausalLMLoss(nn.Module):
         if not (input_ids.dim() == 2 and input_ids.shape == labels.shape == position_ids.shape == units.shape):
             raise ValueError(f"PackedCausalLMLoss: input_ids, labels, position_ids and units must all be (B, T), got "
                              f"{[tuple(t.shape) for t in (input_ids, labels, position_ids, units)]}")
-        follows = (position_ids[:, 1:] == position_ids[:, :-1] + 1) & (units[:, 1:] == units[:, :-1])
-        starts = torch.cat([torch.ones_like(follows[:, :1]), ~follows], dim=1)
-        segments = starts.cumsum(1)
+        starts, segments = document_segments(position_ids, units)
         if self.is_hf:
-            out = self.lm(input_ids, position_ids=position_ids, attention_mask=document_mask(segments), use_cache=False)
+            out = self.lm(input_ids, position_ids=position_ids, attention_mask=_document_mask(segments), use_cache=False)
             logits = out.logits
         else:
             logits = self.lm(input_ids, position_ids=position_ids, segment_ids=segments)
@@ -119,6 +116,83 @@ class PackedCausalLMLoss(nn.Module):
         targets = labels[:, 1:].masked_fill(starts[:, 1:], -100)
         token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
         return token_loss.sum(dim=1)
+
+
+class ShardedPackedCausalLMLoss(nn.Module):
+    """The per-shard form of ``PackedCausalLMLoss`` used under context parallelism.
+
+    ``forward(input_ids, shifted_labels, position_ids, segments, units)`` takes one cp rank's
+    tokens, with what needs whole rows made before the sequence was cut (``runtime.parallel``):
+    labels shifted over the full row with each segment's first token unpredicted, and each
+    token's segment id (``document_segments``). Attention is the document op
+    (``longshield::ring_attention`` with the segment ids), which the ``context_parallel`` pass
+    gives the ring: the reference ``Llama`` calls it itself; a Hugging Face model attends
+    through ``_hf_document_attention``, registered with transformers as
+    ``capture_attention``, which the capture swaps in (``_transformers.for_capture``; its own
+    mask would be a (T, T) one that a shard cannot build). ``units`` is for the passes (each
+    token's unit slot). Summing over cp ranks gives ``PackedCausalLMLoss``'s value.
+    """
+
+    def __init__(self, loss: PackedCausalLMLoss):
+        super().__init__()
+        self.lm = loss.lm
+        self.is_hf = loss.is_hf
+        if self.is_hf:
+            from transformers import AttentionInterface
+            AttentionInterface.register(_HF_DOCUMENT_ATTENTION, _hf_document_attention)
+            self.capture_attention = _HF_DOCUMENT_ATTENTION
+
+    def forward(self, input_ids, shifted_labels, position_ids, segments, units):
+        if self.is_hf:
+            logits = self.lm(input_ids, position_ids=position_ids, use_cache=False,
+                             longshield_segments=segments).logits
+        else:
+            logits = self.lm(input_ids, position_ids=position_ids, segment_ids=segments)
+        token_loss = F.cross_entropy(_at_least_fp32(logits).transpose(1, 2), shifted_labels, reduction="none",
+                                     ignore_index=-100)
+        return token_loss.sum(dim=1)
+
+
+_HF_DOCUMENT_ATTENTION = "longshield_documents"
+
+
+def _hf_document_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                           longshield_segments=None, **kwargs):
+    """A transformers attention function: causal attention within each document (the segment ids
+    the model passes on from its forward's ``longshield_segments``); transformers builds no mask
+    for it. Anything it does not implement is refused by name."""
+    where = type(module).__name__
+    if longshield_segments is None:
+        raise UnsupportedModelError(f"packed documents under context parallelism: {where} did not pass the "
+                                    "segment ids on to its attention function")
+    for what in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(what) is not None:
+            raise UnsupportedModelError(f"packed documents under context parallelism: {where} attends with "
+                                        f"{what}, which the document ring attention does not implement")
+    if dropout:
+        raise UnsupportedModelError(f"packed documents under context parallelism: {where} has attention dropout "
+                                    f"{dropout}; set it to 0 (attention_dropout, attn_pdrop) or call model.eval()")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out, _ = torch.ops.longshield.ring_attention(query, key, value, scale, "", 1, 0, longshield_segments)
+    return out.transpose(1, 2), None
+
+
+def document_segments(position_ids: torch.Tensor, units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, segments), both (B, T), of packed rows: a segment starts where the position does not
+    follow the previous token's by one or the unit slot changes; ``segments`` numbers them from 1
+    along each row."""
+    follows = (position_ids[:, 1:] == position_ids[:, :-1] + 1) & (units[:, 1:] == units[:, :-1])
+    starts = torch.cat([torch.ones_like(follows[:, :1]), ~follows], dim=1)
+    return starts, starts.cumsum(1)
+
+
+def _document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: query t may attend key s iff s <= t and both have the same segment id
+    (block-diagonal causal attention over packed documents)."""
+    T = segment_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
+    return (same & causal).unsqueeze(1)
 
 
 def packing_refused(lm: nn.Module) -> str | None:

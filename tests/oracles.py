@@ -10,6 +10,8 @@ from torch.func import functional_call, grad, vmap
 import longshield_fx as lf
 from longshield_fx.data import LogicalBatch
 from longshield_fx.models import Llama
+from longshield_fx.models.llama import LlamaConfig
+from longshield_fx.packing import unit_pieces
 
 
 def logical(size: int, expected_size: float = 1.0, sample_rate: float = 1.0) -> LogicalBatch:
@@ -137,6 +139,83 @@ def causal_attention(q, k, v, grad):
     _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.detach(), kr.detach(), vr.detach(), 0.0, True)
     return out.detach(), lse, grads
+
+
+def packed_segments(B: int, T: int, seed: int) -> torch.Tensor:
+    """(B, T) document ids of rows packed with documents of random lengths (1 to T/2 tokens; the
+    id is the row's index times T plus the document's first position: never shared across rows)."""
+    g = torch.Generator().manual_seed(seed)
+    seg = torch.empty(B, T, dtype=torch.long)
+    for b in range(B):
+        t = 0
+        while t < T:
+            n = int(torch.randint(1, T // 2, (1,), generator=g))
+            seg[b, t:t + n] = b * T + t
+            t += n
+    return seg
+
+
+def document_attention(q, k, v, grad, segments):
+    """The oracle for packed-document ring attention: each token attends causally within its own
+    document (same id in ``segments`` (B, T)), by plain SDPA with the mask and autograd; lse
+    from the masked scores. Returns out, lse and (dq, dk, dv)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    T = q.shape[2]
+    mask = ((segments[:, :, None] == segments[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+    out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    scores = (q.detach() @ kr.detach().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return out.detach(), scores.masked_fill(~mask, float("-inf")).logsumexp(-1), grads
+
+
+# --- packed documents (tests/passes/test_packed_documents.py; under cp, cp_worker.packed_case) ---
+
+PACKED_T, PACKED_ROWS, PACKED_U, PACKED_C = 16, 4, 8, 0.05
+PACKED_CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64,
+                         rope_theta=10000.0)
+# Units of one or two documents; 20 and 33 tokens span rows, the 2-token one predicts one token.
+PACKED_LENGTHS = [[5, 3], [20], [7], [2], [9, 11], [13], [33], [4, 4, 4]]
+
+
+def packed_units(seed: int = 1) -> list:
+    """Units (lists of documents of token ids) of the lengths ``PACKED_LENGTHS``."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, PACKED_CFG.vocab_size, (n,), generator=g).tolist() for n in docs]
+            for docs in PACKED_LENGTHS]
+
+
+def packed_alone(lm, unit) -> dict:
+    """The oracle of a packed unit's gradient: the sum over its pieces, each run alone as one row."""
+    plain = lf.CausalLMLoss(lm)
+    lm.zero_grad()
+    for piece in unit_pieces(unit, PACKED_T):
+        x = torch.tensor([piece])
+        plain(x, x).sum().backward()
+    return {f"lm.{n}": p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+
+def packed_hf(kind: str):
+    """A small Hugging Face causal LM ("llama", "qwen2", "gpt2") with SDPA attention, eval mode."""
+    import transformers
+    small = dict(vocab_size=PACKED_CFG.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    config = {"llama": lambda: transformers.LlamaConfig(**small),
+              "qwen2": lambda: transformers.Qwen2Config(**small),
+              "gpt2": lambda: transformers.GPT2Config(vocab_size=PACKED_CFG.vocab_size, n_embd=32, n_layer=2,
+                                                      n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)}[kind]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.eval()  # GPT-2's dropout off: the oracle runs the same function
+
+
+def packed_model(kind: str):
+    """"ref" (the reference Llama, seeded) or a ``packed_hf`` kind, as a ``PackedCausalLMLoss``."""
+    if kind == "ref":
+        torch.manual_seed(0)
+        return lf.PackedCausalLMLoss(Llama(PACKED_CFG))
+    return lf.PackedCausalLMLoss(packed_hf(kind))
 
 
 # --- the distributed cases (tests/runtime/cp_worker.py runs them, test_parallel.py checks them) ---

@@ -217,8 +217,7 @@ def train(args) -> int:
     if args.data and not args.no_pack:
         from ..losses import packing_refused
 
-        job.unpacked_why = ("packed documents run on one process or over data-parallel ranks alone for now, not with "
-                            "--cp or --fsdp" if args.cp > 1 or job.fsdp else packing_refused(job.model.lm))
+        job.unpacked_why = packing_refused(job.model.lm)
         job.packed = job.unpacked_why is None
     job.device = torch.device(args.device)
     job.model.to(job.device)
@@ -464,7 +463,7 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
     rows = max(2, args.physical_batch_size * job.corpus.rows_per_unit)  # one row would run as two: refused
     job.unit_slots = unit_slots_for(rows)
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
-                            packed_units=job.unit_slots)
+                            fsdp=job.fsdp, packed_units=job.unit_slots)
     try:
         job.engine.lower(*(t.to(job.device) for t in empty_batch(rows, args.seq_len, job.unit_slots).tensors()))
     except UnsupportedModelError as e:

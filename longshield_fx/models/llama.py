@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops  # noqa: F401  (registers longshield::ring_attention, the packed documents' attention)
+
 
 @dataclass
 class LlamaConfig:
@@ -107,21 +109,23 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if segment_ids is not None:
+            # Packed documents: the document attention op (one process of the ring op; under
+            # context parallelism the context_parallel pass gives it the ring), K/V un-repeated.
+            out, _ = torch.ops.longshield.ring_attention(q, k, v, self.head_dim ** -0.5, "", 1, 0, segment_ids)
+            return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         # Explicit GQA expansion (query head h uses kv head h // n_rep, as HF's repeat_kv), so
         # the attention op itself sees equal head counts.
         n_rep = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -138,15 +142,6 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) bool: query t may attend key s iff s <= t and both have the same segment id
-    (block-diagonal causal attention over packed documents)."""
-    T = segment_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
-    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
-    return (same & causal).unsqueeze(1)
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -156,8 +151,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, segment_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -206,7 +201,6 @@ class Llama(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         h = self.tok_embeddings(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
-        mask = None if segment_ids is None else document_mask(segment_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, segment_ids)
         return self.lm_head(self.norm(h))

@@ -34,6 +34,15 @@ Blocks are merged with their log-sum-exp (fp32 accumulation). The backward pass 
 the ring again, calls the per-block flash backward with the GLOBAL (merged) ``out`` / ``lse`` (which
 gives the exact gradients of full attention: dq summed over blocks, dk/dv per block), and sends the
 fp32 dk/dv accumulators along with their blocks; one extra hop returns them to their owner.
+
+Packed documents (``segments``, (B, L) int64: each local token's document id, equal ids only
+within one contiguous piece of a row): a query attends to an earlier key of the same row only if
+both carry the same id. Every rank all-gathers the (small) ids of all shards once per call, so
+it knows the ids of whichever K/V block it holds; each kernel call gets the block's
+document-and-causal mask, and a call none of whose pairs shares a document is skipped
+(``last_block_counts["forward_skipped"]``: chunk pairs skipped). A query row with no key of its
+document in a block gets lse = -inf there (the CPU kernel returns 0 for it), so the merge
+ignores the block for that row.
 """
 from __future__ import annotations
 
@@ -58,7 +67,8 @@ aten = torch.ops.aten
 
 # Instrumentation, per process (= per cp rank), overwritten by each real (non-fake) call:
 # "forward"/"backward": chunk pairs computed (skipped pairs not counted);
-# "forward_calls"/"backward_calls": attention kernel calls (fused pairs).
+# "forward_calls"/"backward_calls": attention kernel calls (fused pairs);
+# "forward_skipped"/"backward_skipped": chunk pairs of calls skipped for sharing no document.
 last_block_counts: dict[str, int] = {}
 
 
@@ -171,29 +181,37 @@ def _sel(x: Tensor, which: int | str, dim: int = 2) -> Tensor:
 
 # --------------------------------------------------------------------------------------------
 # Per-block kernels (the only device-specific code). The CUDA branch (flash for fp16/bf16,
-# memory-efficient for fp32; both return lse) is written to the aten schemas but only the
-# CPU branch is exercised by the tests.
+# memory-efficient for fp32 and for any block under a document mask; both return lse) is
+# written to the aten schemas but only the CPU branch is exercised by the tests.
 
 
-def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of one block -> (out, lse (B, H, Lq) fp32 natural log)."""
+def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+               allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Attention of one block -> (out, lse (B, H, Lq) fp32 natural log). ``allowed`` (B, 1, Lq, Lk)
+    bool: the document mask (causality folded in); rows with no allowed key get lse = -inf."""
+    bias = None if allowed is None else _bias(allowed, q)
+    causal = causal and bias is None
     if q.device.type == "cuda":
-        if q.dtype in (torch.float16, torch.bfloat16):
+        if bias is None and q.dtype in (torch.float16, torch.bfloat16):
             out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         else:
-            out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+            out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
             lse = lse[..., : q.shape[2]]  # efficient attention pads lse to a multiple of 32
-        return out, lse.float()
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse
+    else:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    lse = lse.float()
+    return out, lse if allowed is None else lse.masked_fill(~allowed.any(-1), float("-inf"))
 
 
 def _block_bwd(
-    go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    bias = None if allowed is None else _bias(allowed, q)
+    causal = causal and bias is None
     if q.device.type == "cuda":
         Lq, Lk = q.shape[2], k.shape[2]
-        if q.dtype in (torch.float16, torch.bfloat16):
+        if bias is None and q.dtype in (torch.float16, torch.bfloat16):
             seed = torch.empty(2, dtype=torch.int64, device=q.device)  # unused without dropout
             offset = torch.empty((), dtype=torch.int64, device=q.device)
             return aten._scaled_dot_product_flash_attention_backward(
@@ -203,12 +221,19 @@ def _block_bwd(
         lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
         seed = torch.empty((), dtype=torch.int64)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            go, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
+            go, q, k, v, bias, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
         )
         return dq, dk, dv
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        go, q, k, v, out, lse, 0.0, causal, scale=scale
+        go, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
     )
+
+
+def _bias(allowed: Tensor, q: Tensor) -> Tensor:
+    """The additive mask the kernels take (a boolean one must be in q's dtype on the CPU)."""
+    B, _, Lq, Lk = allowed.shape
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    return bias.expand(B, q.shape[1], Lq, Lk) if q.device.type == "cuda" else bias
 
 
 def _expand_heads(x: Tensor, groups: int) -> Tensor:
@@ -258,6 +283,42 @@ class _Exchange:
         return self._recv
 
 
+class _Documents:
+    """The document ids of every shard (``segments`` of the module docstring), or none: one
+    document per row, plain causal attention."""
+
+    def __init__(self, segments: Tensor | None, group, cp: int):
+        self.local = segments
+        self.skipped = 0  # chunk pairs of skipped kernel calls
+        self.shards = None
+        if segments is not None:
+            self.shards = [segments]
+            if cp > 1:
+                self.shards = [torch.empty_like(segments) for _ in range(cp)]
+                dist.all_gather(self.shards, segments.contiguous(), group=group)
+
+    def plan(self, cp: int, rank: int, src: int):
+        """``block_plan``'s entries with their masks (None without documents); an entry none of
+        whose pairs shares a document is left out and counted in ``skipped``."""
+        for qs, ks, causal, n in block_plan(cp, rank, src):
+            allowed = self.allowed(qs, src, ks, causal)
+            if allowed is not None and not bool(allowed.any()):
+                self.skipped += n
+                continue
+            yield qs, ks, causal, n, allowed
+
+    def allowed(self, qs, src: int, ks, causal: bool) -> Tensor | None:
+        """(B, 1, Lq, Lk) bool: query i may attend to key j (same document, and j <= i within a
+        causal entry); None without documents."""
+        if self.shards is None:
+            return None
+        sq, sk = _sel(self.local, qs, dim=1), _sel(self.shards[src], ks, dim=1)
+        same = sq[:, :, None] == sk[:, None, :]
+        if causal:
+            same &= torch.ones(same.shape[1:], dtype=torch.bool, device=same.device).tril()
+        return same[:, None]
+
+
 class _Rings:
     """Peers and block sources of the (double) ring of cp ranks with inner rings of ``w``."""
 
@@ -287,9 +348,12 @@ def _inner_ring(cp: int, inner: int) -> int:
     return w
 
 
-def _check_shapes(q: Tensor, k: Tensor, v: Tensor, cp: int) -> int:
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, cp: int, segments: Tensor | None = None) -> int:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("ring_attention expects (B, H, L, D) tensors")
+    if segments is not None and (segments.shape != (q.shape[0], q.shape[2]) or segments.is_floating_point()):
+        raise ValueError(f"segments must be integer document ids of shape (B, L) = {(q.shape[0], q.shape[2])}, "
+                         f"got {segments.dtype} {tuple(segments.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"incompatible shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
     if q.shape[1] % k.shape[1] != 0:
@@ -305,14 +369,16 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, cp: int) -> int:
 
 @torch.library.custom_op("longshield::ring_attention", mutates_args=())
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str, cp: int, inner: int = 0
+    q: Tensor, k: Tensor, v: Tensor, scale: float, group_name: str, cp: int, inner: int = 0,
+    segments: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal attention of the local zig-zag shard against the whole (ring-distributed) sequence.
 
     q: (B, Hq, L, D), k/v: (B, Hkv, L, D), L = T/cp. ``inner``: the inner ring size w of a
-    double ring (0 or cp: one ring). Returns out (B, Hq, L, D) in q's dtype and lse (B, Hq, L)
-    fp32 (natural log)."""
-    groups = _check_shapes(q, k, v, cp)
+    double ring (0 or cp: one ring). ``segments`` (B, L) int64: the local tokens' document ids
+    (packed documents, see the module docstring). Returns out (B, Hq, L, D) in q's dtype and
+    lse (B, Hq, L) fp32 (natural log)."""
+    groups = _check_shapes(q, k, v, cp, segments)
     w = _inner_ring(cp, inner)
     group, rank = _resolve_group(group_name, cp) if cp > 1 else (None, 0)
     rings = _Rings(group, rank, cp, w)
@@ -320,6 +386,7 @@ def ring_attention(
     acc_out = torch.zeros(B, Hq, L, D, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((B, Hq, L), float("-inf"), dtype=torch.float32, device=q.device)
     outer_kv = torch.stack([k, v])  # travels un-repeated
+    docs = _Documents(segments, group, cp)
     pairs = calls = 0
     for o in range(rings.outer):
         outer_ex = rings.outer_exchange(outer_kv) if o < rings.outer - 1 else None
@@ -327,19 +394,21 @@ def ring_attention(
         for i in range(w):
             ex = rings.inner_exchange(kv) if i < w - 1 else None
             kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
-            for qs, ks, causal, n in block_plan(cp, rank, rings.source(o, i)):
-                out, lse = _block_fwd(_sel(q, qs), _sel(kk, ks), _sel(vv, ks), causal, scale)
+            src = rings.source(o, i)
+            for qs, ks, causal, n, allowed in docs.plan(cp, rank, src):
+                out, lse = _block_fwd(_sel(q, qs), _sel(kk, ks), _sel(vv, ks), causal, scale, allowed)
                 a_out, a_lse = _sel(acc_out, qs), _sel(acc_lse, qs)
                 new = torch.logaddexp(a_lse, lse)
-                a_out.mul_(torch.exp(a_lse - new).unsqueeze(-1))
-                a_out.add_(out.float() * torch.exp(lse - new).unsqueeze(-1))
+                finite = new.masked_fill(new == float("-inf"), 0.0)  # no key yet: keep 0 and -inf
+                a_out.mul_(torch.exp(a_lse - finite).unsqueeze(-1))
+                a_out.add_(out.float() * torch.exp(lse - finite).unsqueeze(-1))
                 a_lse.copy_(new)
                 pairs, calls = pairs + n, calls + 1
             if ex is not None:
                 kv = ex.wait()
         if outer_ex is not None:
             outer_kv = outer_ex.wait()
-    last_block_counts.update(forward=pairs, forward_calls=calls)
+    last_block_counts.update(forward=pairs, forward_calls=calls, forward_skipped=docs.skipped)
     return _flash_layout(acc_out.to(q.dtype)), _flash_layout(acc_lse)
 
 
@@ -360,8 +429,8 @@ def _empty_flash_layout(shape, like: Tensor, dtype=None) -> Tensor:
 
 
 @ring_attention.register_fake
-def _(q, k, v, scale, group_name, cp, inner=0):
-    _check_shapes(q, k, v, cp)
+def _(q, k, v, scale, group_name, cp, inner=0, segments=None):
+    _check_shapes(q, k, v, cp, segments)
     _inner_ring(cp, inner)
     B, Hq, L, _ = q.shape
     return _empty_flash_layout(q.shape, q), _empty_flash_layout((B, Hq, L), q, torch.float32)
@@ -379,10 +448,11 @@ def ring_attention_backward(
     group_name: str,
     cp: int,
     inner: int = 0,
+    segments: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`ring_attention`: dq (B, Hq, L, D), dk/dv (B, Hkv, L, D) of the local
     K/V shard (summed over the GQA group and over all ranks' queries)."""
-    groups = _check_shapes(q, k, v, cp)
+    groups = _check_shapes(q, k, v, cp, segments)
     w = _inner_ring(cp, inner)
     group, rank = _resolve_group(group_name, cp) if cp > 1 else (None, 0)
     rings = _Rings(group, rank, cp, w)
@@ -392,6 +462,7 @@ def ring_attention_backward(
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     outer_kv = torch.stack([k, v])
     outer_dkv_ex = None
+    docs = _Documents(segments, group, cp)
     pairs = calls = 0
     for o in range(rings.outer):
         outer_ex = rings.outer_exchange(outer_kv) if o < rings.outer - 1 else None
@@ -400,7 +471,8 @@ def ring_attention_backward(
             ex = rings.inner_exchange(kv) if i < w - 1 else None
             kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            for qs, ks, causal, n in block_plan(cp, rank, rings.source(o, i)):
+            src = rings.source(o, i)
+            for qs, ks, causal, n, allowed in docs.plan(cp, rank, src):
                 dq_b, dk_b, dv_b = _block_bwd(
                     _sel(grad_out, qs).contiguous(),
                     _sel(q, qs),
@@ -410,6 +482,7 @@ def ring_attention_backward(
                     _sel(lse, qs).contiguous(),
                     causal,
                     scale,
+                    allowed,
                 )
                 _sel(dq, qs).add_(dq_b)
                 _sel(dkv[0], ks).add_(_reduce_heads(dk_b, groups))
@@ -431,34 +504,34 @@ def ring_attention_backward(
             outer_kv = outer_ex.wait()
     if outer_dkv_ex is not None:  # the outer ring's last hop: our own block's gradient comes back
         dkv = outer_dkv_ex.wait()
-    last_block_counts.update(backward=pairs, backward_calls=calls)
+    last_block_counts.update(backward=pairs, backward_calls=calls, backward_skipped=docs.skipped)
     # dk/dv are views of one buffer: custom ops may not return aliasing outputs, so copy.
     return _flash_layout(dq.to(q.dtype)), _flash_layout(dkv[0].to(k.dtype)), _flash_layout(dkv[1].to(v.dtype))
 
 
 @ring_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, scale, group_name, cp, inner=0):
-    _check_shapes(q, k, v, cp)
+def _(grad_out, q, k, v, out, lse, scale, group_name, cp, inner=0, segments=None):
+    _check_shapes(q, k, v, cp, segments)
     _inner_ring(cp, inner)
     return _empty_flash_layout(q.shape, q), _empty_flash_layout(k.shape, k), _empty_flash_layout(v.shape, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, group_name, cp, inner = inputs
+    q, k, v, scale, group_name, cp, inner, segments = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, segments)
     ctx.scale, ctx.group_name, ctx.cp, ctx.inner = scale, group_name, cp, inner
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, segments = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.longshield.ring_attention_backward(
-        grad_out, q, k, v, out, lse, ctx.scale, ctx.group_name, ctx.cp, ctx.inner
+        grad_out, q, k, v, out, lse, ctx.scale, ctx.group_name, ctx.cp, ctx.inner, segments
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -75,7 +75,7 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     names = sorted(grads, key=lambda n: _available_at(grads[n], position))
     with graph.inserting_before(output):
         real = b(aten.gt.Scalar, mask, 0)
-        real_samples = _packed_real(b, rw.packing) if rw.packing else real
+        real_samples = _packed_real(b, rw.packing, ctx) if rw.packing else real
         grams = {}  # one float64 Gram per ghost-norm operand (q, k and v read the same input)
         sq, token_sizes = {}, {}  # token_sizes: A_b of each ghost layer (see _book_keeping)
         for name in names:
@@ -126,10 +126,14 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _packed_real(b, packing) -> fx.Node:
-    """(U+1,) bool: the unit slots that hold tokens, the padding slot U never."""
-    slots = b(aten.arange.default, packing.U + 1, device=val(packing.counts).device)
-    return b(aten.logical_and.default, b(aten.gt.Scalar, packing.counts, 0), b(aten.lt.Scalar, slots, packing.U))
+def _packed_real(b, packing, ctx: PassContext) -> fx.Node:
+    """(U+1,) bool: the unit slots that hold tokens (on any sp rank), the padding slot U never."""
+    counts = packing.counts
+    if ctx.sp_size > 1:
+        counts = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, b(aten.clone.default, counts), "sum",
+                                              ctx.sp_group_name))
+    slots = b(aten.arange.default, packing.U + 1, device=val(counts).device)
+    return b(aten.logical_and.default, b(aten.gt.Scalar, counts, 0), b(aten.lt.Scalar, slots, packing.U))
 
 
 def _available_at(g: PerSampleGrad, position: dict) -> int:

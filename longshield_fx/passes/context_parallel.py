@@ -18,6 +18,9 @@ it (LoongTrain Fig. 8); when hp divides Hkv only the real heads move. Everything
 attention is unchanged: linear layers see their T/sp tokens, and ``shard_grads`` reduces
 per-sample gradients over the whole sp group.
 
+Packed documents: the reference Llama already attends with ``longshield::ring_attention`` on one
+process (cp = 1, the tokens' segment ids as its ``segments``); those nodes get the cp group.
+
 Assumes: the graph was captured on one rank's piece of the sequence (the engine feeds the
 tokens' global positions, so RoPE is unchanged); attention is causal, either
 ``is_causal=True`` or a mask that depends on no sample data (Hugging Face builds its
@@ -64,6 +67,7 @@ def _ring_bwd_tag(node, B):
 def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite causal attention into ring attention (see the module docstring)."""
     graph = gm.graph
+    _ring_documents(graph, ctx)
     b = GraphBuilder(graph, ctx.captured.fake_mode)
     derived = _sample_dependent(graph)
     backward_of = {}
@@ -122,6 +126,26 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     _refuse_unrewritten_attention(graph)
     gm.recompile()
     return gm
+
+
+# Where (group_name, cp, inner) start in the ring ops' arguments.
+_RING_GROUP_AT = {ring_fwd: 4, ring_bwd: 7}
+
+
+def _ring_documents(graph: fx.Graph, ctx: PassContext) -> None:
+    """Packed documents: the model attends with the ring op on one process (``cp`` = 1, with the
+    tokens' segment ids); give it this rank's cp group, cp and inner ring."""
+    for node in graph.nodes:
+        at = _RING_GROUP_AT.get(node.target) if node.op == "call_function" else None
+        if at is None or node.args[at + 1] != 1:
+            continue
+        if ctx.hp_size > 1:
+            raise UnsupportedModelError(f"context_parallel: packed documents' attention ({node.name} in "
+                                        f"{module_of(node)}) runs over cp only, not hp={ctx.hp_size}; use a mesh "
+                                        "without an 'hp' dim for packed documents")
+        args = list(node.args) + [0] * (at + 3 - len(node.args))
+        args[at:at + 3] = [ctx.cp_group_name or "", ctx.cp_size, _inner(ctx)]
+        node.args = tuple(args)
 
 
 def _replace_backward(b: GraphBuilder, bwd: fx.Node, grads: tuple, grouped: tuple[bool, bool]) -> None:

@@ -257,7 +257,7 @@ class Packing:
         captured = ctx.captured
         self.units = max(((p, key) for p, (kind, key) in zip(captured.placeholders, captured.inputs)
                           if kind == "input"), key=lambda pk: pk[1])[0]
-        self.rows, self.T = val(self.units).shape
+        self.rows, self.T = (int(d) for d in val(self.units).shape)  # plain ints for the shapes built here
         self.U = ctx.packed_units
         self.graph, self.call = gm.graph, call
         self._nodes: dict[str, fx.Node] = {}

@@ -113,7 +113,7 @@ def _record(meta: dict, reduced: fx.Node, dim: int | None) -> None:
 def _rows_are_smaller(g: PerSampleGrad, cp: int) -> bool:
     """True for a gradient made only of sparse rows whose ids and values, gathered from
     every cp rank, take fewer bytes than its dense form (per sample)."""
-    if not g.rows or g.dense is not None or g.outer:
+    if not g.rows or g.dense is not None or g.outer or len(g.rows[0]) == 3:  # packed rows: (indices, values, owner)
         return False
     row = math.prod(g.shape[1:])
     gathered = sum(cp * val(ids).shape[1] * (row * val(values).element_size() + val(ids).element_size())

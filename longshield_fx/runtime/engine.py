@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .._torch import GUARDS
-from .._transformers import fixed_shape_experts
+from .._transformers import for_capture
 from ..capture import capture
 from ..config import DPConfig
 from ..data import LogicalBatch
@@ -64,7 +64,7 @@ class Engine:
         self.packed_units = packed_units
         self.checkpoint = checkpoint
         self.config = config
-        self.parallel = Parallel.from_mesh(model, mesh, inner_ring)
+        self.parallel = Parallel.from_mesh(model, mesh, inner_ring, packed=bool(packed_units))
         # Sharded model states: the parameters become DTensor shards (see runtime.fsdp).
         self.sharding = Sharding.from_mesh(mesh, fsdp, reshard_after_forward)
         # The ordered passes of each graph: "train" (clipped sums) and "per_sample" (the
@@ -267,7 +267,7 @@ class Engine:
         caller's does not matter: capture and runs set their own) and with the capture's
         fixed-shape forwards swapped in."""
         module = self.parallel.capture_module(self.model)
-        with torch.enable_grad(), fixed_shape_experts(module):
+        with torch.enable_grad(), for_capture(module):
             return guards.failure(module, sharded_batch)
 
     def _lower(self, graph: str, batch) -> Lowered:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .._torch import c10d, flattened_group
-from ..losses import CausalLMLoss, ShardedCausalLMLoss, shift_labels
+from ..losses import (CausalLMLoss, PackedCausalLMLoss, ShardedCausalLMLoss, ShardedPackedCausalLMLoss,
+                      document_segments, shift_labels)
 from ..ops.ring_attention import zigzag_index
 
 
@@ -42,8 +43,9 @@ class Parallel:
     ``sp`` (both: per-sample gradient reduce-scatter, norms, losses) and ``dp``."""
 
     def __init__(self, mesh=None, cp_group=None, dp_group=None, hp_group=None, sp_group=None,
-                 inner_ring: int | None = None):
+                 inner_ring: int | None = None, packed: bool = False):
         self.mesh = mesh
+        self.packed = packed  # batches of packed documents: (input_ids, labels, position_ids, units)
         self.cp_group, self.dp_group, self.hp_group = cp_group, dp_group, hp_group
         self.sp_group = sp_group if sp_group is not None else (cp_group if hp_group is None else hp_group)
         self.cp, self.dp, self.hp, self.sp = _size(cp_group), _size(dp_group), _size(hp_group), _size(self.sp_group)
@@ -56,11 +58,11 @@ class Parallel:
             raise ValueError(f"compile: inner_ring={inner_ring} must divide cp={self.cp} (the mesh's 'cp' size)")
 
     @classmethod
-    def from_mesh(cls, model: nn.Module, mesh, inner_ring: int | None = None) -> "Parallel":
+    def from_mesh(cls, model: nn.Module, mesh, inner_ring: int | None = None, packed: bool = False) -> "Parallel":
         if mesh is None:
             if inner_ring is not None:
                 raise ValueError("compile: inner_ring needs a mesh with a 'cp' dimension")
-            return cls()
+            return cls(packed=packed)
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         unknown = set(names) - set(_DIMS)
         if unknown or not {"cp", "hp"} & set(names):
@@ -80,10 +82,11 @@ class Parallel:
         groups = {n: mesh[n].get_group() for n in names}
         sequence_dims = tuple(n for n in names if n in _SEQUENCE_DIMS)
         sp_group = flattened_group(mesh, sequence_dims)
-        if dist.get_world_size(sp_group) > 1 and not isinstance(model, CausalLMLoss):
+        loss = PackedCausalLMLoss if packed else CausalLMLoss
+        if dist.get_world_size(sp_group) > 1 and not isinstance(model, loss):
             raise ValueError("compile: context parallelism shards the sequence of a causal LM; wrap the model "
-                             "in longshield_fx.CausalLMLoss")
-        return cls(mesh, groups.get("cp"), groups.get("dp"), groups.get("hp"), sp_group, inner_ring)
+                             f"in longshield_fx.{loss.__name__}")
+        return cls(mesh, groups.get("cp"), groups.get("dp"), groups.get("hp"), sp_group, inner_ring, packed)
 
     def __repr__(self) -> str:
         return (f"cp={self.cp}, dp={self.dp}" + (f", hp={self.hp}" if self.hp > 1 else "")
@@ -91,15 +94,18 @@ class Parallel:
 
     # --- graph and inputs ------------------------------------------------------------------
     def capture_module(self, model: nn.Module) -> nn.Module:
-        return ShardedCausalLMLoss(model) if self.sp > 1 else model
+        if self.sp == 1:
+            return model
+        return ShardedPackedCausalLMLoss(model) if self.packed else ShardedCausalLMLoss(model)
 
     def check_batch(self, batch) -> None:
         """Errors that must come before any collective runs."""
         if self.sp == 1:
             return
-        if len(batch) != 2:
-            raise ValueError("engine: under context parallelism pass (input_ids, labels), got "
-                             f"{len(batch)} tensors")
+        want = 4 if self.packed else 2
+        if len(batch) != want:
+            what = "(input_ids, labels, position_ids, units) of packed documents" if self.packed else "(input_ids, labels)"
+            raise ValueError(f"engine: under context parallelism pass {what}, got {len(batch)} tensors")
         T = batch[0].shape[-1] if batch[0].dim() > 1 else 0
         multiple = 2 * self.cp * self.hp
         if T % multiple != 0:
@@ -130,8 +136,13 @@ class Parallel:
     def shard(self, batch):
         if self.sp == 1:
             return batch
+        positions = self.positions(batch[0].shape[-1]).to(batch[0].device)
+        if self.packed:  # what needs whole rows first: segments, and labels shifted with no cross-segment target
+            input_ids, labels, position_ids, units = batch
+            starts, segments = document_segments(position_ids, units)
+            shifted = shift_labels(labels.masked_fill(starts, -100))
+            return tuple(t.index_select(-1, positions) for t in (input_ids, shifted, position_ids, segments, units))
         input_ids, labels = batch  # (B, T) or (B, R, T): the sequence is the last dim
-        positions = self.positions(input_ids.shape[-1]).to(input_ids.device)
         ids = input_ids.index_select(-1, positions)
         shifted = shift_labels(labels).index_select(-1, positions)
         return ids, shifted, positions.expand(ids.shape).contiguous()

@@ -479,10 +479,17 @@ def test_torchrun_cp2_reports_the_same_epsilon_as_one_process(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_torchrun_packed_documents_over_2_data_parallel_ranks_train_as_one_process(tmp_path, capsys):
-    """`train --data` packs under torchrun with dp = 2 (cp = 1): each rank runs every other physical
-    batch of the same logical batch, the short rank a batch of padding, and the clipped sums meet in
-    finalize. Same key, same draws: the same ε, batch sizes and (to float summation order) model."""
+def test_torchrun_packed_documents_over_dp_cp_and_fsdp_train_as_one_process(tmp_path, capsys):
+    """`train --data` packs under torchrun: dp = 2 (each rank runs every other physical batch of
+    the same logical batch, the short rank a batch of padding, the clipped sums meet in finalize),
+    cp = 2 (every physical batch split along the sequence, documents attending within themselves
+    around the ring) and dp = 2 x cp = 2 with ZeRO-3 over both. Same key, same draws: the same ε
+    and batch sizes as one process; dp and cp the same model (to float summation order); ZeRO-3
+    draws its noise per shard, so its first step's loss is the one process's and its model
+    reloads whole."""
+    import longshield_fx as lf
+    from longshield_fx.models import Llama
+
     docs = tmp_path / "docs"
     docs.mkdir()
     g = torch.Generator().manual_seed(0)
@@ -493,22 +500,35 @@ def test_torchrun_packed_documents_over_2_data_parallel_ranks_train_as_one_proce
             "--accountant", "rdp", "--sigma", 1]
     assert cli.main([str(a) for a in args] + ["--out", str(tmp_path / "one")]) == 0
     one = capsys.readouterr().out
-    two = run_cli(*args, "--out", "two", cwd=tmp_path, launcher=[
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "longshield_fx"])
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "cp=1, dp=2" in two.stdout and "not packed" not in two.stdout
-    assert "packed into physical batches of 4 rows x 64 holding up to 16 units" in one
-    assert "packed into physical batches of 4 rows x 64 holding up to 16 units" in two.stdout
-    assert reported_epsilon(two.stdout) == reported_epsilon(one)
-    a, b = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "two")
-    sizes = [[r["not_covered_by_dp"]["logical_batch_size"] for r in rows] for rows in (a, b)]
-    assert sizes[0] == sizes[1] and sum(sizes[0]) > 0
-    assert train_losses(b) == pytest.approx(train_losses(a), rel=1e-5)
-    padding = [json.loads((tmp_path / run / "summary.json").read_text())["not_covered_by_dp"]["packing"]
-               ["padding_fraction"] for run in ("one", "two")]
-    assert padding[1] > padding[0]  # an odd number of physical batches: the short rank ran one of padding
-    torch.testing.assert_close(load_state(tmp_path / "two" / "final_model.pt"),
-                               load_state(tmp_path / "one" / "final_model.pt"), atol=1e-5, rtol=1e-4)
+    packed = "packed into physical batches of 4 rows x 64 holding up to 16 units"
+    assert packed in one
+    a = metric_rows(tmp_path / "one")
+    sizes = [r["not_covered_by_dp"]["logical_batch_size"] for r in a]
+    assert sum(sizes) > 0
+    padding = {}
+    for run, ranks, flags, world in (("dp", 2, [], "cp=1, dp=2"), ("cp", 2, ["--cp", 2], "cp=2, dp=1"),
+                                     ("fsdp", 4, ["--cp", 2, "--fsdp", "dp,cp"], "cp=2, dp=2")):
+        out = run_cli(*args, *flags, "--out", run, cwd=tmp_path, timeout=600, launcher=[
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            "-m", "longshield_fx"])
+        assert out.returncode == 0, (run, out.stderr[-3000:])
+        assert world in out.stdout and "not packed" not in out.stdout and packed in out.stdout, run
+        assert reported_epsilon(out.stdout) == reported_epsilon(one), run
+        b = metric_rows(tmp_path / run)
+        assert [r["not_covered_by_dp"]["logical_batch_size"] for r in b] == sizes, run
+        padding[run] = json.loads((tmp_path / run / "summary.json").read_text())["not_covered_by_dp"]["packing"][
+            "padding_fraction"]
+        final = load_state(tmp_path / run / "final_model.pt")
+        if run == "fsdp":
+            assert train_losses(b)[0] == pytest.approx(train_losses(a)[0], rel=1e-5)
+            lf.CausalLMLoss(Llama.from_name("tiny")).load_state_dict(final)  # whole tensors, every parameter
+            continue
+        assert train_losses(b) == pytest.approx(train_losses(a), rel=1e-5), run
+        torch.testing.assert_close(final, load_state(tmp_path / "one" / "final_model.pt"), atol=1e-5, rtol=1e-4)
+    one_padding = json.loads((tmp_path / "one" / "summary.json").read_text())["not_covered_by_dp"]["packing"][
+        "padding_fraction"]
+    assert padding["cp"] == one_padding  # the same physical batches, each cut in two
+    assert padding["dp"] > one_padding  # an odd number of physical batches: the short rank ran one of padding
 
 
 @pytest.mark.slow
@@ -586,7 +606,7 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     args = ["train", "--steps", 3, "-T", 64, "--save-every", 1, *FAST, "--expected-batch-size", 5,
             "--physical-batch-size", 2, "--insecure-seed", 3, "--accountant", "rdp", "--sigma", 0.5, "--data", data,
-            "--max-rows", 2, "--eval-fraction", 0.25, "--eval-every", 1, "--log-private-stats"]
+            "--max-rows", 2, "--eval-fraction", 0.25, "--eval-every", 1, "--log-private-stats", "--no-pack"]
     four = run_cli(*args, "--cp", 2, "--fsdp", "dp,cp", "--out", "run", cwd=tmp_path,
                    launcher=torchrun + ["4", "-m", "longshield_fx"], timeout=600)
     assert four.returncode == 0, four.stderr[-3000:]

@@ -12,7 +12,7 @@ import torch
 from longshield_fx import _torch
 from longshield_fx.ops import ring_attention as ra
 
-from oracles import attention_inputs, causal_attention
+from oracles import attention_inputs, causal_attention, document_attention, packed_segments
 
 B, HQ, HKV, T, D = 2, 4, 2, 32, 8
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -93,13 +93,33 @@ def test_cp1_equals_causal_attention():
         torch.testing.assert_close(got, want, **TOL)
     assert grads[1].shape == (B, HKV, T, D)
     blocks = ra.blocks_per_rank(1)[0]  # cp=1: the causal diagonal block of each of the two chunks + one full
-    assert ra.last_block_counts == {"forward": blocks, "forward_calls": 1, "backward": blocks, "backward_calls": 1}
+    assert ra.last_block_counts == {"forward": blocks, "forward_calls": 1, "forward_skipped": 0,
+                                    "backward": blocks, "backward_calls": 1, "backward_skipped": 0}
+
+
+def test_cp1_packed_documents_equal_document_attention():
+    """One process: with ``segments`` each token attends causally within its document only;
+    rows with documents of one token included."""
+    q, k, v, grad = _inputs(4)
+    segments = packed_segments(B, T, seed=2)
+    segments[0, :3] = torch.tensor([-1, -2, -3])  # three one-token documents
+    ref_out, ref_lse, ref_grads = document_attention(q, k, v, grad, segments)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
+        torch.testing.assert_close(got, want, **TOL)
+    with pytest.raises(ValueError, match="segments must be integer document ids of shape"):
+        torch.ops.longshield.ring_attention(q, k, v, D**-0.5, "unused", 1, 0, segments[:, :-1])
 
 
 def test_cp1_opcheck():
     q, k, v, _ = _inputs(1, T=8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.longshield.ring_attention.default, (q, k, v, 0.3, "unused", 1))
+    segments = packed_segments(B, 8, seed=1)
+    torch.library.opcheck(torch.ops.longshield.ring_attention.default, (q, k, v, 0.3, "unused", 1, 0, segments))
 
 
 # ----------------------------------------------------------------------------------------
@@ -120,8 +140,8 @@ def test_ring_matches_full_attention(distributed, cp, hkv):
             assert r[name] is None, f"rank {rank}: {r[name]}"
         counts = r["counts"]  # every rank of this rank's group
         assert all(c == counts[0] for c in counts), (cp, counts)
-        assert counts[0] == {"forward": r["expected_blocks"], "forward_calls": cp,
-                             "backward": r["expected_blocks"], "backward_calls": cp}, (cp, counts)
+        assert counts[0] == {"forward": r["expected_blocks"], "forward_calls": cp, "forward_skipped": 0,
+                             "backward": r["expected_blocks"], "backward_calls": cp, "backward_skipped": 0}, (cp, counts)
         assert r["expected_blocks"] == ra.blocks_per_rank(cp)[0]  # balanced: the same on every rank
 
 
@@ -134,8 +154,31 @@ def test_double_ring_matches_full_attention(distributed, inner):
     for rank, r in distributed.check(4, f"ring-cp4-w{inner}").items():
         for name in ("out", "lse", "dq", "dk", "dv"):
             assert r[name] is None, f"rank {rank}: {r[name]}"
-        assert all(c == {"forward": r["expected_blocks"], "forward_calls": 4, "backward": r["expected_blocks"],
-                         "backward_calls": 4} for c in r["counts"]), r["counts"]
+        assert all(c == {"forward": r["expected_blocks"], "forward_calls": 4, "forward_skipped": 0,
+                         "backward": r["expected_blocks"], "backward_calls": 4, "backward_skipped": 0}
+                   for c in r["counts"]), r["counts"]
+
+
+@pytest.mark.torchrun(4)
+@pytest.mark.parametrize("cp, inner", [(4, 4), (2, 2), (4, 2)])
+def test_packed_documents_ring_matches_document_attention(distributed, cp, inner):
+    """Rows of packed documents (``segments``): every token attends causally within its own
+    document, on a single ring (cp=4; cp=2 on strided groups) and a double ring, against
+    ``document_attention`` (assert_close at TOL). Isolation: another document's q, k and v
+    replaced leave every other token's out, lse, dq, dk and dv unchanged (≤ 1e-6), while the
+    document's own output moves. Chunk pairs that share no document are skipped, in the forward
+    and backward alike, and every pair is either computed or skipped."""
+    skipped = 0
+    for rank, r in distributed.check(4, f"packed-ring-cp{cp}-w{inner}").items():
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert r[name] is None, f"rank {rank}: {r[name]}"
+        assert r["isolation"] <= 1e-6 and r["document_changed"] > 0.1, (rank, r["isolation"], r["document_changed"])
+        for c in r["counts"]:
+            assert c["forward"] + c["forward_skipped"] == r["expected_blocks"], c
+            assert (c["backward"], c["backward_skipped"]) == (c["forward"], c["forward_skipped"]), c
+        skipped += r["counts"][0]["forward_skipped"]
+    if cp == 4:  # documents of 1 to T/2 = 16 tokens in chunks of 4: some chunk pairs share none
+        assert skipped > 0
 
 
 @pytest.mark.parametrize("cp, inner", [(4, 2), (8, 2), (8, 4), (4, 1), (6, 3)])

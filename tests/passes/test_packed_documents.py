@@ -10,20 +10,12 @@ import torch
 import longshield_fx as lf
 from longshield_fx.data import LogicalBatch
 from longshield_fx.errors import UnsupportedModelError
-from longshield_fx.models.llama import Llama, LlamaConfig
-from longshield_fx.packing import pack_documents, unit_pieces
+from longshield_fx.models.llama import Llama
+from longshield_fx.packing import pack_documents
 
-T, ROWS, U, C = 16, 4, 8, 0.05
-CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64,
-                  rope_theta=10000.0)
-# Units of one or two documents; 20 and 33 tokens span rows, the 2-token one predicts one token.
-LENGTHS = [[5, 3], [20], [7], [2], [9, 11], [13], [33], [4, 4, 4]]
-
-
-def _units(seed: int = 1) -> list:
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in docs] for docs in LENGTHS]
-
+from oracles import PACKED_CFG as CFG, PACKED_C as C, PACKED_ROWS as ROWS, PACKED_T as T, PACKED_U as U
+from oracles import packed_alone as _alone, packed_hf as _hf, packed_units as _units
+from oracles import packed_alone, packed_model, packed_units
 
 @pytest.fixture(scope="module")
 def setup():
@@ -32,16 +24,6 @@ def setup():
     engine = lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(max_grad_norm=C, noise_multiplier=0.0,
                                                                       insecure_seed=0), packed_units=U)
     return lm, engine
-
-
-def _alone(lm, unit) -> dict:
-    """The unit's gradient: the sum over its pieces, each run alone as one row."""
-    plain = lf.CausalLMLoss(lm)
-    lm.zero_grad()
-    for piece in unit_pieces(unit, T):
-        x = torch.tensor([piece])
-        plain(x, x).sum().backward()
-    return {f"lm.{n}": p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
 
 def _close(a: dict, b: dict, rtol: float = 1e-5) -> float:
@@ -191,13 +173,12 @@ def test_refusals(setup, fake_world):
     bad[0, 0] = U + 1
     with pytest.raises(ValueError, match=r"unit slots must lie in \[0, 8\]"):
         engine.per_sample_grads(pb.input_ids, pb.labels, pb.position_ids, bad)
-    alone = "run on one process or over data parallelism alone"
-    with pytest.raises(ValueError, match=alone):
-        lf.compile(lf.PackedCausalLMLoss(lm), fsdp=("dp",), packed_units=U)
-    with fake_world(2) as mesh, pytest.raises(ValueError, match=alone):
+    with fake_world(1, hp=2) as mesh, pytest.raises(ValueError, match=r"not yet over an 'hp' dim \(2D attention\)"):
         lf.compile(lf.PackedCausalLMLoss(lm), mesh, packed_units=U)
     with fake_world(1, dp=2) as mesh:
         assert lf.compile(lf.PackedCausalLMLoss(lm), mesh, packed_units=U).parallel.dp == 2
+    with fake_world(2) as mesh, pytest.raises(ValueError, match="wrap the model in longshield_fx.PackedCausalLMLoss"):
+        lf.compile(lf.CausalLMLoss(lm), mesh, packed_units=U)
     with pytest.raises(ValueError, match="do not run in float16"):
         lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, compute_dtype=torch.float16), packed_units=U)
     for bad in (-1, True, 2.0):
@@ -205,6 +186,27 @@ def test_refusals(setup, fake_world):
             lf.compile(lf.PackedCausalLMLoss(lm), packed_units=bad)
     with pytest.raises(ValueError, match="needs at least 2 rows"):
         lf.compile(lf.PackedCausalLMLoss(lm), packed_units=U).per_sample_grads(*(t[:1] for t in pb.tensors()))
+
+
+def test_under_cp_the_document_attention_gets_the_ring(setup, fake_world):
+    """cp=2 (a fake group: shapes and nodes, nothing sent): every layer's document attention, forward
+    and backward, runs on the cp group's ring with the tokens' segment ids; the sequence is cut
+    in two; the per-unit gradients are reduce-scattered over cp and the counts all-reduced."""
+    lm, _ = setup
+    (pb, *_), _ = pack_documents(_units(), seq_len=T, rows=ROWS, unit_slots=U)
+    ring_ops = (torch.ops.longshield.ring_attention.default, torch.ops.longshield.ring_attention_backward.default)
+    with fake_world(2) as mesh:
+        engine = lf.compile(lf.PackedCausalLMLoss(lm), mesh, config=lf.DPConfig(C, 0.0), packed_units=U)
+        graph = engine.lower(*pb.tensors(), graph="per_sample").gm.graph
+        rings = [n for n in graph.nodes if n.target in ring_ops]
+        assert len(rings) == 2 * CFG.n_layers
+        for n in rings:
+            at = 4 if n.target == ring_ops[0] else 7
+            assert n.args[at:at + 3] == (mesh["cp"].get_group().group_name, 2, 0), n.args
+            assert tuple(n.args[at + 3].meta["val"].shape) == (ROWS, T // 2)  # this rank's segment ids
+        train = engine.lower(*pb.tensors()).gm.graph
+        collectives = {str(n.target) for n in train.nodes if "c10d" in str(n.target)}
+        assert {"_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_reduce.default"} <= collectives
 
 
 def test_a_layer_without_a_per_unit_rule_is_refused_by_name():
@@ -223,19 +225,6 @@ def test_a_layer_without_a_per_unit_rule_is_refused_by_name():
     units = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 2, 2, 2, 2]])
     with pytest.raises(UnsupportedModelError, match="conv.weight.*with packed documents.*--no-pack"):
         engine.per_sample_grads(ids, ids, torch.zeros_like(ids), units)
-
-
-def _hf(kind: str):
-    import transformers
-    small = dict(vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)
-    config = {"llama": lambda: transformers.LlamaConfig(**small),
-              "qwen2": lambda: transformers.Qwen2Config(**small),
-              "gpt2": lambda: transformers.GPT2Config(vocab_size=CFG.vocab_size, n_embd=32, n_layer=2, n_head=4,
-                                                      n_positions=64, bos_token_id=0, eos_token_id=0)}[kind]()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return model.eval()  # GPT-2's dropout off: the oracle runs the same function
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
@@ -353,3 +342,42 @@ def test_a_model_that_lets_the_units_of_a_row_reach_each_other_is_refused(leak):
         return
     with pytest.raises(UnsupportedModelError, match="lets the units of a row reach each other"):
         engine.accumulate(x, v, units)
+
+
+@pytest.mark.parametrize("world, kind", [pytest.param(w, k, marks=pytest.mark.torchrun(w), id=f"cp{w}-{k}")
+                                         for w, k in ((4, "ref-block"), (4, "ref-fsdp"), (2, "llama"), (2, "qwen2"),
+                                                      (2, "gpt2"))])
+def test_under_cp_each_unit_is_still_one_sample(distributed, world, kind):
+    """Packed documents under context parallelism (``cp_worker.packed_case``): the reference Llama
+    at cp=4 with block checkpointing and at dp=2 x cp=2 with ZeRO-3 over both (the physical batches
+    dealt round the replicas), and Hugging Face Llama, Qwen2 and GPT-2 at cp=2, with units spanning
+    rows, physical batches and cp ranks. On every rank: each unit's gradient and norm
+    equal the unit alone, and so does the clipped sum of all physical batches; leaving one unit
+    out moves that sum by at most C; one unit's tokens replaced leave every other unit's
+    gradient unchanged."""
+    model = packed_model(kind.split("-")[0])
+    units = packed_units(seed=5)
+    alone = {}
+    for rank, r in distributed.check(world, f"packed-{kind}").items():
+        members = r["members"]
+        assert len(members) >= 2 and r["victim_ranks"] == [True] * world  # batches; a unit on every rank
+        assert r["captures"] == 1 and r["sharded"] == kind.endswith("fsdp")
+        for slot, unit in enumerate(members[0]):
+            alone.setdefault(unit, packed_alone(model.lm, units[unit]))
+            _close({n: g[slot] for n, g in r["per_unit"].items()}, alone[unit])
+        expected = None
+        assert r["norms"], rank
+        for i, batch in enumerate(members):
+            norms = r["norms"].get(i)
+            for slot, unit in enumerate(batch):
+                g = alone.setdefault(unit, packed_alone(model.lm, units[unit]))
+                norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in g.values()))
+                if norms is not None:  # the physical batches this rank's dp replica ran
+                    assert float(norms[slot]) == pytest.approx(norm, rel=1e-5), (rank, unit)
+                factor = min(1.0, C / (norm + 1e-6))
+                expected = {n: v * factor + (expected[n] if expected else 0) for n, v in g.items()}
+        _close(r["clipped_sum"], expected)
+        moved = math.sqrt(sum(float((r["clipped_sum"][n] - r["clipped_sum_without"][n]).double().pow(2).sum())
+                              for n in r["clipped_sum"]))
+        assert 0 < moved <= C * (1 + 1e-6), moved
+        assert r["isolation"] <= 1e-6 and r["victim_moved"] > 1e-3, (rank, r["isolation"], r["victim_moved"])

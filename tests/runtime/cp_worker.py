@@ -9,8 +9,11 @@ distributed check of that size and writes what it measured; the tests compare (t
   ``oracles.CP_CASES`` with world size 4 (cp=4, dp=2 x cp=2, 2D attention hp x cp, dp=2 x hp=2).
   Then DCP checkpoints of a ZeRO-3 run and of a noisy one (``dcp_save``), which the test
   resumes on 2 ranks (``cp_worker.py OUT_DIR --resume=PATH,NOISY_PATH``, its own launch).
+  Then packed documents (the reference Llama, ``packed_case``) at cp=4 with block checkpointing,
+  and at dp=2 x cp=2 with ZeRO-3 over both.
 - world 2: the engine cases with world size 2 (cp=2: plain, block / selective
-  checkpointing, output-stationary); the model's per-rank random stream, alone and in a
+  checkpointing, output-stationary); packed documents in Hugging Face Llama, Qwen2 and GPT-2
+  at cp=2; the model's per-rank random stream, alone and in a
   train-mode GPT-2 with embedding dropout (``dropout``); then a dead peer (rank 1 exits,
   rank 0 must get a clear error, not a hang).
 
@@ -41,8 +44,11 @@ from longshield_fx.passes._graph import is_head_all_to_all  # noqa: E402
 from longshield_fx.ops import ring_attention as ra  # noqa: E402
 from longshield_fx.runtime.noise import NoiseGenerator  # noqa: E402
 from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, DROPOUT_SEEDS,  # noqa: E402
-                     attention_inputs, case_batches, case_model, causal_attention, gpt2_embedding_dropout, logical,
-                     tiny_llama)
+                     attention_inputs, case_batches, case_model, causal_attention, document_attention,
+                     gpt2_embedding_dropout, logical, packed_segments, tiny_llama)
+from oracles import (PACKED_C, PACKED_CFG, PACKED_ROWS, PACKED_T, PACKED_U, packed_model,  # noqa: E402
+                     packed_units)
+from longshield_fx.packing import empty_batch, pack_documents  # noqa: E402
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -249,10 +255,12 @@ def dcp_resume(path: str, noise_path: str) -> dict:
     return out
 
 
-def ring_case(world: int, cp: int, hkv: int, inner: int = 0) -> dict:
+def ring_case(world: int, cp: int, hkv: int, inner: int = 0, packed: bool = False) -> dict:
     """Ring attention over cp ranks (a double ring with inner rings of ``inner``). cp groups are
     strided ({0, 2}, {1, 3} for world 4, cp 2) so that global and group ranks differ; each
-    group (dp replica) gets its own data.
+    group (dp replica) gets its own data. ``packed``: rows of packed documents (the op's
+    ``segments``) against ``document_attention``, and isolation: one document's q, k and v
+    replaced leave every other token's out, lse, dq, dk and dv unchanged.
     Returns, per tensor, None or assert_close's message, and the block counts of each rank."""
     rank = dist.get_rank()
     n_rep = world // cp
@@ -265,11 +273,20 @@ def ring_case(world: int, cp: int, hkv: int, inner: int = 0) -> dict:
     q, k, v, grad = attention_inputs(100 * cp + dp, HKV=hkv)
     B, HQ, T, D = q.shape
     HKV = k.shape[1]
-    ref_out, ref_lse, ref_grads = causal_attention(q, k, v, grad)
-    local = [ra.shard_sequence(t, cp, cp_rank, dim=2) for t in (q, k, v, grad)]
-    ql, kl, vl = (t.clone().requires_grad_() for t in local[:3])
-    out, lse = torch.ops.longshield.ring_attention(ql, kl, vl, D**-0.5, group.group_name, cp, inner)
-    dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), local[3])
+    segments = packed_segments(B, T, seed=cp + dp) if packed else None
+    if packed:
+        ref_out, ref_lse, ref_grads = document_attention(q, k, v, grad, segments)
+    else:
+        ref_out, ref_lse, ref_grads = causal_attention(q, k, v, grad)
+
+    def ring(q, k, v):
+        local = [ra.shard_sequence(t, cp, cp_rank, dim=2) for t in (q, k, v, grad)]
+        seg = ra.shard_sequence(segments, cp, cp_rank, dim=1) if packed else None
+        ql, kl, vl = (t.clone().requires_grad_() for t in local[:3])
+        out, lse = torch.ops.longshield.ring_attention(ql, kl, vl, D**-0.5, group.group_name, cp, inner, seg)
+        return (out, lse, *torch.autograd.grad(out, (ql, kl, vl), local[3]))
+
+    out, lse, dq, dk, dv = ring(q, k, v)
     result = {"shapes": [tuple(out.shape), tuple(lse.shape), tuple(dk.shape), tuple(dv.shape)],
               "expected_shapes": [(B, HQ, T // cp, D), (B, HQ, T // cp), (B, HKV, T // cp, D), (B, HKV, T // cp, D)]}
 
@@ -289,7 +306,72 @@ def ring_case(world: int, cp: int, hkv: int, inner: int = 0) -> dict:
     dist.all_gather_object(counts, dict(ra.last_block_counts), group=group)
     result["counts"] = counts
     result["expected_blocks"] = ra.blocks_per_rank(cp)[cp_rank]
+    if packed:  # isolation: the longest document of row 0 (it spans ranks) gets other values
+        ids, lengths = segments[0].unique(return_counts=True)
+        mine = segments == ids[lengths.argmax()]
+        g = torch.Generator().manual_seed(7)  # the same replacement on every rank of the group
+        other = [torch.where(mine[:, None, :, None], torch.randn(t.shape, generator=g) * 3, t) for t in (q, k, v)]
+        keep = ra.shard_sequence(~mine, cp, cp_rank, dim=1)
+        changed = ring(*other)
+        result["isolation"] = max(float((a - b).detach()[keep[:, None].expand(a.shape[:3])].abs().max())
+                                  for a, b in zip((out, lse, dq, dk, dv), changed))
+        result["document_changed"] = float((changed[0] - out).detach().abs().max())
     return result
+
+
+def packed_case(kind: str, checkpoint: str | None = None, dp: int = 1, fsdp: tuple | None = None) -> dict:
+    """Packed documents under cp (the world over dp replicas; ZeRO-3 over ``fsdp``), the model
+    ``oracles.packed_model(kind)``: the per-unit gradients of the first physical batch; each
+    physical batch's per-unit norms; the clipped sum of all of them (noise-free; the physical
+    batches dealt round the dp replicas, a short replica running one of padding); that sum again
+    without one unit (sensitivity); and isolation: one unit's tokens replaced leave every other
+    unit's gradient unchanged. The test process holds the oracle (each unit alone)."""
+    world = dist.get_world_size()
+    dims = (("dp", dp), ("cp", world // dp)) if dp > 1 else (("cp", world),)
+    mesh = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+    dp_rank = mesh["dp"].get_local_rank() if dp > 1 else 0
+    model = packed_model(kind)
+    engine = lf.compile(model, mesh, config=lf.DPConfig(PACKED_C, 0.0), packed_units=PACKED_U, checkpoint=checkpoint,
+                        fsdp=fsdp)
+    units = packed_units(seed=5)
+    batches, _ = pack_documents(units, seq_len=PACKED_T, rows=PACKED_ROWS, unit_slots=PACKED_U)
+    first = batches[0]
+    out = {"members": [pb.members for pb in batches],
+           "per_unit": {n: g.clone() for n, g in engine.per_sample_grads(*first.tensors()).items()}}
+
+    def clipped_sum(batches) -> tuple[dict, dict]:
+        """The clipped sum, and this replica's per-unit norms by physical batch."""
+        model.zero_grad()
+        padding = empty_batch(PACKED_ROWS, PACKED_T, PACKED_U)
+        norms = {}
+        for i in range(-(-len(batches) // dp) * dp):
+            if i % dp == dp_rank:
+                engine.accumulate(*(batches[i] if i < len(batches) else padding).tensors())
+                norms[i] = engine.last_norms.clone()
+        engine.finalize(logical(sum(len(pb.members) for pb in batches)))
+        return {name: full(p.grad) for name, p in model.named_parameters()}, norms
+
+    out["clipped_sum"], out["norms"] = clipped_sum(batches)
+    left_out = first.members[0]
+    without, _ = pack_documents([u for i, u in enumerate(units) if i != left_out], seq_len=PACKED_T,
+                                rows=PACKED_ROWS, unit_slots=PACKED_U)
+    out["clipped_sum_without"], _ = clipped_sum(without)
+    out["left_out"] = left_out
+    victim = max(range(len(first.members)), key=lambda s: int((first.units == s).sum()))  # spans rows and ranks
+    ids = first.input_ids.clone()
+    where = first.units == victim
+    ids[where] = (ids[where] + 17) % PACKED_CFG.vocab_size
+    labels = first.labels.clone()
+    labels[where] = ids[where]
+    changed = engine.per_sample_grads(ids, labels, first.position_ids, first.units)
+    others = [s for s in range(len(first.members)) if s != victim]
+    out["isolation"] = max(float((changed[n][others] - g[others]).abs().max()) for n, g in out["per_unit"].items())
+    out["victim_moved"] = max(float((changed[n][victim] - g[victim]).abs().max()) for n, g in out["per_unit"].items())
+    out["victim_ranks"] = [bool(where.index_select(1, ra.zigzag_index(PACKED_T, mesh.size(), r)).any())
+                           for r in range(mesh.size())]
+    out["captures"] = engine.captures  # batches of other units and lengths: the same graphs
+    out["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
+    return out
 
 
 def model_rng() -> dict:
@@ -369,6 +451,8 @@ def main():
                 record(f"ring-cp{cp}-hkv{hkv}", ring_case, world, cp, hkv)
         for inner in (2, 1):  # two inner rings of 2; four of 1 (the outer ring does every hop)
             record(f"ring-cp4-w{inner}", ring_case, world, 4, 2, inner)
+        for cp, inner in ((4, 0), (2, 0), (4, 2)):  # packed documents: single rings, a double ring
+            record(f"packed-ring-cp{cp}-w{inner or cp}", ring_case, world, cp, 2, inner, True)
     resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--resume=")]
     if resume:  # ``cp_worker.py OUT_DIR --resume=PATH,NOISY_PATH``: only the resumed run
         record("dcp_resume", dcp_resume, *resume[0].split(","))
@@ -382,7 +466,13 @@ def main():
             record(name, engine_case, case)
     if world == 4 and (not only or "dcp_save" in only):
         record("dcp_save", dcp_save, sys.argv[1])
-    if world == 2:
+    if world == 4 and (not only or "packed" in only):
+        record("packed-ref-block", packed_case, "ref", "block")
+        record("packed-ref-fsdp", packed_case, "ref", None, 2, ("dp", "cp"))
+    if world == 2 and (not only or "packed" in only):
+        for kind in ("llama", "qwen2", "gpt2"):  # the reference Llama: in the 4-rank launch
+            record(f"packed-{kind}", packed_case, kind)
+    if world == 2 and not only:
         record("model_rng", model_rng)
         record("dropout", dropout)
         record("dead_peer", dead_peer)
