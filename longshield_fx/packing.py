@@ -9,7 +9,7 @@ never straddles two rows, and a physical batch holds at most U units: its unit s
 
 A physical batch is four (B, T) tensors, ``PackedBatch.tensors()``: the token ids, the
 labels (-100 on padding), the position of each token within its piece (0 at the piece's first
-token) and the unit slot of each token (U for padding). ``PackedCausalLMLoss`` attends within
+token, and on every padding token) and the unit slot of each token (U for padding). ``PackedCausalLMLoss`` attends within
 a piece only and never predicts a piece's first token from the piece before it, and
 ``compile(..., packed_units=U)`` clips and sums per unit slot, so a unit's gradient is what
 it would be with each of its pieces in a row of its own.
@@ -153,7 +153,8 @@ def _tensors(members, rows_of, seq_len: int, unit_slots: int, pad_id: int) -> Pa
             positions[r, t:t + n] = torch.arange(n)
             units[r, t:t + n] = slot
             t += n
-        positions[r, t:] = torch.arange(seq_len - t)  # the padding: one segment of its own
+        # positions[r, t:] stay 0: each padding token a segment of its own, so padding shares no
+        # attention block with anything (under cp a block without a shared document is skipped)
     return PackedBatch(ids, labels, positions, units, list(members))
 
 

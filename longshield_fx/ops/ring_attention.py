@@ -39,8 +39,9 @@ Packed documents (``segments``, (B, L) int64: each local token's document id, eq
 within one contiguous piece of a row): a query attends to an earlier key of the same row only if
 both carry the same id. Every rank all-gathers the (small) ids of all shards once per call, so
 it knows the ids of whichever K/V block it holds; each kernel call gets the block's
-document-and-causal mask, and a call none of whose pairs shares a document is skipped
-(``last_block_counts["forward_skipped"]``: chunk pairs skipped). A query row with no key of its
+document-and-causal mask, and a row none of whose pairs in a call shares a document is left out
+of the call, a call without rows skipped (``last_block_counts["forward_skipped"]``: (row, chunk
+pair)s skipped). A query row with no key of its
 document in a block gets lse = -inf there (the CPU kernel returns 0 for it), so the merge
 ignores the block for that row.
 """
@@ -60,6 +61,7 @@ __all__ = [
     "ring_attention_backward",
     "blocks_per_rank",
     "block_plan",
+    "pairs_skipped",
     "last_block_counts",
 ]
 
@@ -68,7 +70,7 @@ aten = torch.ops.aten
 # Instrumentation, per process (= per cp rank), overwritten by each real (non-fake) call:
 # "forward"/"backward": chunk pairs computed (skipped pairs not counted);
 # "forward_calls"/"backward_calls": attention kernel calls (fused pairs);
-# "forward_skipped"/"backward_skipped": chunk pairs of calls skipped for sharing no document.
+# "forward_skipped"/"backward_skipped": (row, chunk pair)s left out for sharing no document.
 last_block_counts: dict[str, int] = {}
 
 
@@ -172,6 +174,23 @@ def blocks_per_rank(cp: int) -> list[int]:
     ]
 
 
+def pairs_skipped(segments: Tensor, cp: int) -> tuple[int, int]:
+    """((row, chunk pair)s skipped, (row, chunk pair)s in all) of every cp rank's forward over rows
+    of packed documents with document ids ``segments`` (B, T): the sum of the ranks'
+    ``forward_skipped``, and B times the chunk pairs of the schedule, computed without a process
+    group."""
+    shards = [shard_sequence(segments, cp, r) for r in range(cp)]
+    skipped = total = 0
+    for r in range(cp):
+        docs = _Documents(shards[r], shards)
+        for src in range(cp):
+            total += segments.shape[0] * sum(n for *_, n in block_plan(cp, r, src))
+            for _ in docs.plan(cp, r, src):
+                pass
+        skipped += docs.skipped
+    return skipped, total
+
+
 def _sel(x: Tensor, which: int | str, dim: int = 2) -> Tensor:
     if which == _ALL:
         return x
@@ -236,6 +255,18 @@ def _bias(allowed: Tensor, q: Tensor) -> Tensor:
     return bias.expand(B, q.shape[1], Lq, Lk) if q.device.type == "cuda" else bias
 
 
+def _rows(x: Tensor, rows: Tensor | None) -> Tensor:
+    return x if rows is None else x.index_select(0, rows)
+
+
+def _put_rows(dst: Tensor, rows: Tensor | None, x: Tensor) -> None:
+    dst.copy_(x) if rows is None else dst.index_copy_(0, rows, x)
+
+
+def _add_rows(dst: Tensor, rows: Tensor | None, x: Tensor) -> None:
+    dst.add_(x) if rows is None else dst.index_add_(0, rows, x.to(dst.dtype))
+
+
 def _expand_heads(x: Tensor, groups: int) -> Tensor:
     """(B, Hkv, L, D) -> (B, Hkv*groups, L, D), query head h uses kv head h // groups."""
     if groups == 1:
@@ -287,25 +318,36 @@ class _Documents:
     """The document ids of every shard (``segments`` of the module docstring), or none: one
     document per row, plain causal attention."""
 
-    def __init__(self, segments: Tensor | None, group, cp: int):
-        self.local = segments
-        self.skipped = 0  # chunk pairs of skipped kernel calls
-        self.shards = None
-        if segments is not None:
-            self.shards = [segments]
-            if cp > 1:
-                self.shards = [torch.empty_like(segments) for _ in range(cp)]
-                dist.all_gather(self.shards, segments.contiguous(), group=group)
+    def __init__(self, local: Tensor | None, shards: list[Tensor] | None):
+        self.local, self.shards = local, shards
+        self.skipped = 0  # (row, chunk pair)s skipped: no document shared
+
+    @classmethod
+    def gathered(cls, segments: Tensor | None, group, cp: int) -> "_Documents":
+        """This rank's ids and every cp rank's, all-gathered over ``group``."""
+        if segments is None or cp == 1:
+            return cls(segments, None if segments is None else [segments])
+        shards = [torch.empty_like(segments) for _ in range(cp)]
+        dist.all_gather(shards, segments.contiguous(), group=group)
+        return cls(segments, shards)
 
     def plan(self, cp: int, rank: int, src: int):
-        """``block_plan``'s entries with their masks (None without documents); an entry none of
-        whose pairs shares a document is left out and counted in ``skipped``."""
+        """``block_plan``'s entries with their masks (None without documents) and the rows to
+        compute (None: all). A row none of whose query and key tokens share a document is left out
+        of the call, a call without rows is left out, and both are counted in ``skipped``."""
         for qs, ks, causal, n in block_plan(cp, rank, src):
             allowed = self.allowed(qs, src, ks, causal)
-            if allowed is not None and not bool(allowed.any()):
-                self.skipped += n
+            if allowed is None:
+                yield qs, ks, causal, n, None, None
                 continue
-            yield qs, ks, causal, n, allowed
+            shared = allowed.flatten(1).any(1)
+            kept = int(shared.sum())
+            self.skipped += n * (shared.numel() - kept)
+            if kept == shared.numel():
+                yield qs, ks, causal, n, allowed, None
+            elif kept:
+                rows = shared.nonzero().squeeze(1)
+                yield qs, ks, causal, n, allowed.index_select(0, rows), rows
 
     def allowed(self, qs, src: int, ks, causal: bool) -> Tensor | None:
         """(B, 1, Lq, Lk) bool: query i may attend to key j (same document, and j <= i within a
@@ -386,7 +428,7 @@ def ring_attention(
     acc_out = torch.zeros(B, Hq, L, D, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((B, Hq, L), float("-inf"), dtype=torch.float32, device=q.device)
     outer_kv = torch.stack([k, v])  # travels un-repeated
-    docs = _Documents(segments, group, cp)
+    docs = _Documents.gathered(segments, group, cp)
     pairs = calls = 0
     for o in range(rings.outer):
         outer_ex = rings.outer_exchange(outer_kv) if o < rings.outer - 1 else None
@@ -395,14 +437,17 @@ def ring_attention(
             ex = rings.inner_exchange(kv) if i < w - 1 else None
             kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
             src = rings.source(o, i)
-            for qs, ks, causal, n, allowed in docs.plan(cp, rank, src):
-                out, lse = _block_fwd(_sel(q, qs), _sel(kk, ks), _sel(vv, ks), causal, scale, allowed)
+            for qs, ks, causal, n, allowed, rows in docs.plan(cp, rank, src):
+                out, lse = _block_fwd(*(_rows(x, rows) for x in (_sel(q, qs), _sel(kk, ks), _sel(vv, ks))),
+                                      causal, scale, allowed)
                 a_out, a_lse = _sel(acc_out, qs), _sel(acc_lse, qs)
-                new = torch.logaddexp(a_lse, lse)
+                was_out, was_lse = _rows(a_out, rows), _rows(a_lse, rows)
+                new = torch.logaddexp(was_lse, lse)
                 finite = new.masked_fill(new == float("-inf"), 0.0)  # no key yet: keep 0 and -inf
-                a_out.mul_(torch.exp(a_lse - finite).unsqueeze(-1))
-                a_out.add_(out.float() * torch.exp(lse - finite).unsqueeze(-1))
-                a_lse.copy_(new)
+                merged = was_out * torch.exp(was_lse - finite).unsqueeze(-1) + out.float() * torch.exp(
+                    lse - finite).unsqueeze(-1)
+                _put_rows(a_out, rows, merged)
+                _put_rows(a_lse, rows, new)
                 pairs, calls = pairs + n, calls + 1
             if ex is not None:
                 kv = ex.wait()
@@ -462,7 +507,7 @@ def ring_attention_backward(
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     outer_kv = torch.stack([k, v])
     outer_dkv_ex = None
-    docs = _Documents(segments, group, cp)
+    docs = _Documents.gathered(segments, group, cp)
     pairs = calls = 0
     for o in range(rings.outer):
         outer_ex = rings.outer_exchange(outer_kv) if o < rings.outer - 1 else None
@@ -472,21 +517,21 @@ def ring_attention_backward(
             kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             src = rings.source(o, i)
-            for qs, ks, causal, n, allowed in docs.plan(cp, rank, src):
+            for qs, ks, causal, n, allowed, rows in docs.plan(cp, rank, src):
                 dq_b, dk_b, dv_b = _block_bwd(
-                    _sel(grad_out, qs).contiguous(),
-                    _sel(q, qs),
-                    _sel(kk, ks),
-                    _sel(vv, ks),
-                    _sel(out, qs).contiguous(),
-                    _sel(lse, qs).contiguous(),
+                    _rows(_sel(grad_out, qs), rows).contiguous(),
+                    _rows(_sel(q, qs), rows),
+                    _rows(_sel(kk, ks), rows),
+                    _rows(_sel(vv, ks), rows),
+                    _rows(_sel(out, qs), rows).contiguous(),
+                    _rows(_sel(lse, qs), rows).contiguous(),
                     causal,
                     scale,
                     allowed,
                 )
-                _sel(dq, qs).add_(dq_b)
-                _sel(dkv[0], ks).add_(_reduce_heads(dk_b, groups))
-                _sel(dkv[1], ks).add_(_reduce_heads(dv_b, groups))
+                _add_rows(_sel(dq, qs), rows, dq_b)
+                _add_rows(_sel(dkv[0], ks), rows, _reduce_heads(dk_b, groups))
+                _add_rows(_sel(dkv[1], ks), rows, _reduce_heads(dv_b, groups))
                 pairs, calls = pairs + n, calls + 1
             if dkv_ex is not None:  # accumulator of this block from the inner ranks before us
                 dkv += dkv_ex.wait()

@@ -315,7 +315,10 @@ def ring_case(world: int, cp: int, hkv: int, inner: int = 0, packed: bool = Fals
         changed = ring(*other)
         result["isolation"] = max(float((a - b).detach()[keep[:, None].expand(a.shape[:3])].abs().max())
                                   for a, b in zip((out, lse, dq, dk, dv), changed))
-        result["document_changed"] = float((changed[0] - out).detach().abs().max())
+        moved = (changed[0] - out).detach().abs().max()
+        dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=group)  # the document lies on some ranks only
+        result["document_changed"] = float(moved)
+        result["segments"] = segments
     return result
 
 
