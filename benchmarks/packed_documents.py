@@ -134,7 +134,7 @@ def main() -> None:
         return time.perf_counter() - start
 
     ring_cps = [int(c) for c in args.ring_cp.split(",") if c]
-    ring = {cp: [0, 0] for cp in ring_cps}  # chunk pairs skipped, all chunk pairs
+    ring = {cp: [0, 0] for cp in ring_cps}  # (row, chunk pair)s skipped, and in all
     rows_out = {"padded": [], "packed": []}
     slots_out = {"padded": [0, 0], "packed": [0, 0]}  # padding slots, all slots
     for k, indices in enumerate(draws):
@@ -177,8 +177,8 @@ def main() -> None:
         lines.append(f"| {k} | {shape} | {pad:.1%} | {per:g} | {secs:.2f} | {med[k]:.0f} | {med[k] / med['padded']:.2f} |")
     if ring_cps:
         lines += ["", "Under context parallelism, the ring attention of these packed batches skips "
-                  + ", ".join(f"{ring[cp][0] / ring[cp][1]:.1%} of the chunk pairs at cp = {cp}" for cp in ring_cps)
-                  + " (the kernel calls none of whose chunk pairs shares a document; counted by "
+                  + ", ".join(f"{ring[cp][0] / ring[cp][1]:.1%} of the (row, chunk pair)s at cp = {cp}" for cp in ring_cps)
+                  + " (a row left out of a kernel call for sharing no document there; counted by "
                   "`ring_attention.pairs_skipped` from each batch's document ids, as the ranks' `last_block_counts` do)."]
     table = "\n".join(lines)
     print(table)
