@@ -18,8 +18,9 @@ it (LoongTrain Fig. 8); when hp divides Hkv only the real heads move. Everything
 attention is unchanged: linear layers see their T/sp tokens, and ``shard_grads`` reduces
 per-sample gradients over the whole sp group.
 
-Packed documents: the reference Llama already attends with ``longshield::ring_attention`` on one
-process (cp = 1, the tokens' segment ids as its ``segments``); those nodes get the cp group.
+Packed documents: the model already attends with ``longshield::ring_attention`` on one process
+(cp = 1, the tokens' segment ids as its ``segments``); those nodes get the cp group, and any
+other attention kernel is refused (as plain causal ring attention it would cross documents).
 
 Assumes: the graph was captured on one rank's piece of the sequence (the engine feeds the
 tokens' global positions, so RoPE is unchanged); attention is causal, either
@@ -80,6 +81,13 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         is_causal = arg_of(fwd, "is_causal", False)
         mask = arg_of(fwd, "attn_mask") or arg_of(fwd, "attn_bias")
         where = f"{fwd.name} in {module_of(fwd)}"
+        if ctx.packed_units:
+            # Plain causal ring attention would attend across the documents of a row.
+            raise UnsupportedModelError(
+                f"context_parallel: with packed documents every attention must be the document attention "
+                f"(longshield::ring_attention with segment ids), but {where} attends through {fwd.target}; "
+                "way out: the reference Llama or a Hugging Face model whose attention layers call transformers' "
+                "attention interface, or unpacked batches (CLI --no-pack)")
         if dropout:
             raise UnsupportedModelError(f"context_parallel: attention dropout at {where} is not supported; set it to 0")
         if not is_causal and (mask is None or mask in derived):

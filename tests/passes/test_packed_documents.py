@@ -10,7 +10,7 @@ import torch
 import longshield_fx as lf
 from longshield_fx.data import LogicalBatch
 from longshield_fx.errors import UnsupportedModelError
-from longshield_fx.models.llama import Llama
+from longshield_fx.models.llama import Attention, Llama
 from longshield_fx.packing import pack_documents
 
 from oracles import PACKED_CFG as CFG, PACKED_C as C, PACKED_ROWS as ROWS, PACKED_T as T, PACKED_U as U
@@ -191,7 +191,8 @@ def test_refusals(setup, fake_world):
 def test_under_cp_the_document_attention_gets_the_ring(setup, fake_world, monkeypatch):
     """cp=2 (a fake group: shapes and nodes, nothing sent): every layer's document attention, forward
     and backward, runs on the cp group's ring with the tokens' segment ids; the sequence is cut
-    in two; the per-unit gradients are reduce-scattered over cp and the counts all-reduced."""
+    in two; the per-unit gradients are reduce-scattered over cp and the counts all-reduced. An
+    attention kernel that is not the document op is refused."""
     lm, _ = setup
     (pb, *_), _ = pack_documents(_units(), seq_len=T, rows=ROWS, unit_slots=U)
     ring_ops = (torch.ops.longshield.ring_attention.default, torch.ops.longshield.ring_attention_backward.default)
@@ -209,6 +210,13 @@ def test_under_cp_the_document_attention_gets_the_ring(setup, fake_world, monkey
         train = engine.lower(*pb.tensors()).gm.graph
         collectives = {str(n.target) for n in train.nodes if "c10d" in str(n.target)}
         assert {"_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_reduce.default"} <= collectives
+        # An attention that ignores the segment ids (plain causal SDPA) would become plain causal
+        # ring attention, across documents: refused.
+        attend = Attention.forward
+        monkeypatch.setattr(Attention, "forward", lambda self, x, cos, sin, segment_ids=None: attend(self, x, cos, sin))
+        engine = lf.compile(lf.PackedCausalLMLoss(lm), mesh, config=lf.DPConfig(C, 0.0), packed_units=U)
+        with pytest.raises(UnsupportedModelError, match="every attention must be the document attention"):
+            engine.lower(*pb.tensors(), graph="per_sample")
 
 
 def test_a_layer_without_a_per_unit_rule_is_refused_by_name():
