@@ -209,6 +209,7 @@ def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
     """Attention of one block -> (out, lse (B, H, Lq) fp32 natural log). ``allowed`` (B, 1, Lq, Lk)
     bool: the document mask (causality folded in); rows with no allowed key get lse = -inf."""
     bias = None if allowed is None else _bias(allowed, q)
+    keyless_rows = bias is not None and not causal  # a diagonal (causal) block: every query sees itself
     causal = causal and bias is None
     if q.device.type == "cuda":
         if bias is None and q.dtype in (torch.float16, torch.bfloat16):
@@ -219,7 +220,7 @@ def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
     else:
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
     lse = lse.float()
-    return out, lse if allowed is None else lse.masked_fill(~allowed.any(-1), float("-inf"))
+    return out, lse.masked_fill(~allowed.any(-1), float("-inf")) if keyless_rows else lse
 
 
 def _block_bwd(
@@ -337,8 +338,8 @@ class _Documents:
         of the call, a call without rows is left out, and both are counted in ``skipped``."""
         for qs, ks, causal, n in block_plan(cp, rank, src):
             allowed = self.allowed(qs, src, ks, causal)
-            if allowed is None:
-                yield qs, ks, causal, n, None, None
+            if allowed is None or causal:  # a causal entry is a diagonal block: every token sees itself
+                yield qs, ks, causal, n, allowed, None
                 continue
             shared = allowed.flatten(1).any(1)
             kept = int(shared.sum())
@@ -422,7 +423,12 @@ def ring_attention(
     lse (B, Hq, L) fp32 (natural log)."""
     groups = _check_shapes(q, k, v, cp, segments)
     w = _inner_ring(cp, inner)
-    group, rank = _resolve_group(group_name, cp) if cp > 1 else (None, 0)
+    if cp == 1:  # one block, one kernel call: nothing to merge
+        allowed = _Documents.gathered(segments, None, 1).allowed(_ALL, 0, _ALL, True)
+        out, lse = _block_fwd(q, _expand_heads(k, groups), _expand_heads(v, groups), True, scale, allowed)
+        last_block_counts.update(forward=blocks_per_rank(1)[0], forward_calls=1, forward_skipped=0)
+        return _flash_layout(out), _flash_layout(lse)
+    group, rank = _resolve_group(group_name, cp)
     rings = _Rings(group, rank, cp, w)
     B, Hq, L, D = q.shape
     acc_out = torch.zeros(B, Hq, L, D, dtype=torch.float32, device=q.device)
@@ -499,11 +505,18 @@ def ring_attention_backward(
     K/V shard (summed over the GQA group and over all ranks' queries)."""
     groups = _check_shapes(q, k, v, cp, segments)
     w = _inner_ring(cp, inner)
-    group, rank = _resolve_group(group_name, cp) if cp > 1 else (None, 0)
-    rings = _Rings(group, rank, cp, w)
     grad_out = grad_out.to(q.dtype)
     out = out.to(q.dtype)
     lse = lse.float()
+    if cp == 1:
+        allowed = _Documents.gathered(segments, None, 1).allowed(_ALL, 0, _ALL, True)
+        dq, dk, dv = _block_bwd(grad_out.contiguous(), q, _expand_heads(k, groups), _expand_heads(v, groups),
+                                out.contiguous(), lse.contiguous(), True, scale, allowed)
+        last_block_counts.update(backward=blocks_per_rank(1)[0], backward_calls=1, backward_skipped=0)
+        return (_flash_layout(dq), _flash_layout(_reduce_heads(dk, groups).to(k.dtype)),
+                _flash_layout(_reduce_heads(dv, groups).to(v.dtype)))
+    group, rank = _resolve_group(group_name, cp)
+    rings = _Rings(group, rank, cp, w)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     outer_kv = torch.stack([k, v])
     outer_dkv_ex = None
