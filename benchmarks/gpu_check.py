@@ -1,11 +1,11 @@
 """What only a GPU can show: exactness of CUDA kernels, dropout's CUDA RNG, and llama3.2-1b steps.
 
-For the next session that is lent a GPU: written without one and NOT yet run (the README's GPU
-section is an earlier snapshot's, on torch 2.11); expect to fix small things on first use.
+``packed``, ``step`` and ``dropout`` ran on an H100 (torch 2.11) on 2026-11-26: results in
+benchmarks/results/gpu_h100.md. ``zoo`` has not run on a GPU yet.
 
     python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
     python benchmarks/gpu_check.py dropout
-    python benchmarks/gpu_check.py step [--seq-lens 4096 16384 32768] [--checkpoint none block]
+    python benchmarks/gpu_check.py step [--cases 4096:none 32768:block ...] [--budget S]
     python benchmarks/gpu_check.py packed [--device cuda] [--seq-lens 4096 16384 32768]
 
 ``zoo``: every architecture of tests/hf_zoo.py (tiny random config, B=2, T=12) compiled on
@@ -24,16 +24,17 @@ each layer). dp: ``accumulate`` + ``finalize`` (flat C=1, sigma=1, the secure Ch
 + AdamW. One fresh process per (method, T, checkpoint): one warm-up step (capture), then the
 median of 3 timed steps; peak = ``torch.cuda.max_memory_allocated`` over the timed steps;
 ``noise s`` = the median time of ``finalize`` (the noise draw, added to the gradient).
-dp-packed: two rows of T holding documents of log-normal lengths (median T/8), 16 unit slots
-(``compile(..., packed_units=16)``, ``PackedCausalLMLoss``); the table compares seconds per
-1k tokens, since it runs twice dp's tokens.
+dp-packed: two rows of T holding documents of log-normal lengths (median T/2), 4 unit slots
+(``compile(..., packed_units=4)``, ``PackedCausalLMLoss``; more slots run out of memory, see the
+results); the table compares seconds per 1k document tokens, since it runs about twice dp's.
 
 ``packed``: packed documents on ``--device`` against the CPU. Exactness: the reference "small"
 Llama (fp32, TF32 off) on a packed batch (4 rows of 256, 16 unit slots, documents split across
 rows): each unit's gradient and norm against each unit run alone on the CPU in float64, and the clipped
-sum (σ = 0) against the engine's own on the CPU. Attention: ``scaled_dot_product_attention`` in bf16, (1, 32 heads, T, 64), forward
-+ backward, causal (``is_causal=True``: flash) against the block-diagonal causal mask of packed
-documents (a bool (T, T) mask: another kernel), median of 5, and the peak memory of each.
+sum (σ = 0) against the engine's own on the CPU. The document attention op (cp = 1) on CUDA in fp32
+and bf16 against the float64 CPU oracle, beside SDPA under the boolean mask (the dtype's floor), and
+its isolation. Speed: one bf16 row (32 query / 8 KV heads, T, 64), forward + backward, causal flash,
+the op and SDPA under the document mask, median of 5, and the peak memory of each.
 """
 from __future__ import annotations
 
@@ -182,26 +183,34 @@ def dropout(args) -> None:
 
 # ---------------------------------------------------------------- step
 
-def step_worker(method: str, seq_len: int, checkpoint: str, out: str) -> None:
+def step_worker(method: str, seq_len: int, checkpoint: str, out: str, device: str = "cuda",
+                model_name: str = "llama3.2-1b") -> None:
     import functools
     import longshield_fx as lf
     from longshield_fx.data import LogicalBatch
     from longshield_fx.models.llama import Llama
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    dev = torch.device(device)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        lm = Llama.from_name("llama3.2-1b")
+    with dev:
+        lm = Llama.from_name(model_name)
     model = lf.CausalLMLoss(lm)
-    ids = torch.randint(0, lm.cfg.vocab_size, (1, seq_len), device="cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, lm.cfg.vocab_size, (1, seq_len), device=dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
     noise = []
     if method == "eager":
         if checkpoint == "block":
             for layer in lm.layers:
                 layer.forward = functools.partial(torch_checkpoint, layer.forward, use_reentrant=False)
 
+        tokens = seq_len
+
         def step():
-            with torch.autocast("cuda", torch.bfloat16):
+            with torch.autocast(dev.type, torch.bfloat16):
                 model(ids, ids).sum().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -209,47 +218,51 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str) -> None:
         config = lf.DPConfig(1.0, 1.0, compute_dtype=torch.bfloat16)
         if method == "dp-packed":
             from longshield_fx.packing import pack_documents
+            # U + 1 copies of every parameter the cost model keeps per-sample (the embedding) must fit
+            # beside the model: 4 slots, documents of median T/2.
             g = torch.Generator().manual_seed(0)
-            lengths = torch.exp(torch.randn(64, generator=g) * 1.2 + torch.log(torch.tensor(seq_len / 8))).long()
+            lengths = torch.exp(torch.randn(16, generator=g) + torch.log(torch.tensor(seq_len / 2))).long()
             units = [[torch.randint(0, lm.cfg.vocab_size, (max(2, int(n)),), generator=g).tolist()] for n in lengths]
-            (packed, *_), _ = pack_documents(units, seq_len=seq_len, rows=2, unit_slots=16)
-            batch = tuple(t.cuda() for t in packed.tensors())
+            (packed, *_), _ = pack_documents(units, seq_len=seq_len, rows=2, unit_slots=4)
+            batch = tuple(t.to(dev) for t in packed.tensors())
             model = lf.PackedCausalLMLoss(lm)
             engine = lf.compile(model, config=config, checkpoint=None if checkpoint == "none" else checkpoint,
-                                packed_units=16)
+                                packed_units=4)
             size = len(packed.members)
+            tokens = int((packed.units < 4).sum())
         else:
             engine = lf.compile(model, config=config, checkpoint=None if checkpoint == "none" else checkpoint)
             batch, size = (ids, ids), 1
+            tokens = seq_len
         logical = LogicalBatch(size=size, indices=torch.arange(size), physical=[], sample_rate=1e-3,
                                expected_size=1.0)
 
         def step():
             engine.accumulate(*batch)
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             engine.finalize(logical)
-            torch.cuda.synchronize()
+            sync()
             noise.append(time.perf_counter() - start)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    tokens = {"eager": 1, "dp": 1, "dp-packed": 2}[method] * seq_len
     result = {"method": method, "T": seq_len, "checkpoint": checkpoint, "tokens": tokens}
     try:
         start = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         result["first_s"] = time.perf_counter() - start
         noise.clear()
-        torch.cuda.reset_peak_memory_stats()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(3):
             start = time.perf_counter()
             step()
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - start)
-        result.update(step_s=statistics.median(times), peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                      noise_s=statistics.median(noise) if noise else None)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+        result.update(step_s=statistics.median(times), peak_gib=peak, noise_s=statistics.median(noise) if noise else None)
     except torch.OutOfMemoryError:
         result["error"] = "OOM"
     except Exception as e:
@@ -260,17 +273,23 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str) -> None:
 
 def step(args) -> None:
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    rows = []
-    for seq_len in args.seq_lens:
-        for checkpoint in args.checkpoint:
-            row = {}
-            for method in ("eager", "dp", "dp-packed"):
-                out = f"/tmp/gpu_step_{method}_{seq_len}_{checkpoint}.json"
+    rows, began = [], time.perf_counter()
+    for case in args.cases:
+        seq_len, checkpoint = int(case.split(":")[0]), case.split(":")[1]
+        if time.perf_counter() - began > args.budget:
+            print(f"budget of {args.budget} s spent: {case} not run", file=sys.stderr, flush=True)
+            continue
+        row = {}
+        for method in args.methods:
+            out = f"/tmp/gpu_step_{method}_{seq_len}_{checkpoint}.json"
+            try:
                 subprocess.run([sys.executable, __file__, "_step_worker", method, str(seq_len), checkpoint, out],
                                env=env, timeout=args.timeout)
-                row[method] = json.load(open(out)) if os.path.exists(out) else {"error": "worker died"}
-                print(row[method], file=sys.stderr, flush=True)
-            rows.append((seq_len, checkpoint, row))
+            except subprocess.TimeoutExpired:
+                pass
+            row[method] = json.load(open(out)) if os.path.exists(out) else {"error": "worker died or timed out"}
+            print(json.dumps(row[method]), file=sys.stderr, flush=True)
+        rows.append((seq_len, checkpoint, row))
     print(f"\n## llama3.2-1b, B=1, one step (torch {torch.__version__}, {torch.cuda.get_device_name()})\n")
     print("| T | checkpoint | eager s / peak GiB | DP s / peak GiB | DP / eager time | DP noise s | "
           "DP packed (2 rows) s / peak GiB | s per 1k tokens: eager, DP, DP packed |")
@@ -282,7 +301,8 @@ def step(args) -> None:
     def per_k(r):
         return "-" if "error" in r else f"{1000 * r['step_s'] / r['tokens']:.4f}"
     for seq_len, checkpoint, row in rows:
-        e, d, p = row["eager"], row["dp"], row["dp-packed"]
+        missing = {"error": "not run"}
+        e, d, p = row.get("eager", missing), row.get("dp", missing), row.get("dp-packed", missing)
         ratio = f"{d['step_s'] / e['step_s']:.2f}" if "error" not in e and "error" not in d else "-"
         print(f"| {seq_len} | {checkpoint} | {cell(e)} | {cell(d)} | {ratio} | "
               f"{d.get('noise_s') and round(d['noise_s'], 3)} | {cell(p)} | {per_k(e)}, {per_k(d)}, {per_k(p)} |")
@@ -338,31 +358,115 @@ def packed(args) -> None:
           f"float64); clipped sum {clipped:.2e} (against the engine on the CPU)\n")
     if device.type != "cuda":
         return
+    attention_exactness(device)
+    attention_speed(device, args.seq_lens)
+
+
+def _document_ids(B: int, T: int, docs: int, g: torch.Generator) -> torch.Tensor:
+    """(B, T) ids of about ``docs`` documents per row (random cut points), numbered along each row."""
+    starts = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        starts[b, torch.randperm(T, generator=g)[:docs]] = True
+    starts[:, 0] = True
+    return starts.cumsum(1)
+
+
+def _gqa_sdpa(q, k, v, **kw):
     import torch.nn.functional as F
-    print("| T | causal (flash) ms / peak GiB | packed documents mask ms / peak GiB | mask / causal time |")
-    print("|---|---|---|---|")
-    for seq_len in args.seq_lens:
-        q, k, v = (torch.randn(1, 32, seq_len, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        starts = torch.zeros(seq_len, dtype=torch.bool, device=device)
-        starts[torch.randperm(seq_len)[:8].to(device)] = True  # about 8 documents, median T/8
-        starts[0] = True
-        segment = starts.cumsum(0)
-        mask = (segment[:, None] == segment[None, :]) & torch.ones(seq_len, seq_len, dtype=torch.bool,
-                                                                    device=device).tril()
-        cells = []
-        for kw in (dict(is_causal=True), dict(attn_mask=mask)):
-            times = []
-            torch.cuda.reset_peak_memory_stats()
-            for _ in range(6):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                F.scaled_dot_product_attention(q, k, v, **kw).sum().backward()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            cells.append((statistics.median(times[1:]) * 1e3, torch.cuda.max_memory_allocated() / 2**30))
-        (tc, mc), (tm, mm) = cells
-        print(f"| {seq_len} | {tc:.2f} / {mc:.2f} | {tm:.2f} / {mm:.2f} | {tm / tc:.2f} |")
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), **kw)
+
+
+def attention_exactness(device) -> None:
+    """The document attention op (cp = 1) on CUDA against the float64 CPU oracle: fp32 (the
+    masked memory-efficient kernel) and bf16 (flash over document runs), with SDPA under the
+    boolean document mask in the same dtype on the GPU as the dtype's floor; and isolation."""
+    from oracles import document_attention
+    B, Hq, Hkv, T, D = 2, 8, 2, 1024, 64
+    g = torch.Generator().manual_seed(0)
+    q, grad = (torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    segments = _document_ids(B, T, 12, g)
+    segments[0, :3] = torch.tensor([-3, -2, -1])  # three one-token documents
+    ref_out, ref_lse, ref_grads = document_attention(q, k, v, grad, segments)
+    ref = dict(out=ref_out, lse=ref_lse, dq=ref_grads[0], dk=ref_grads[1], dv=ref_grads[2])
+    mask = ((segments[:, :, None] == segments[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+
+    def ours(dtype, q=q, k=k, v=v):
+        qq, kk, vv = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
+        out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments.to(device))
+        dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad.to(device, dtype))
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+    def sdpa(dtype):
+        qq, kk, vv = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
+        out = _gqa_sdpa(qq, kk, vv, attn_mask=mask.to(device))
+        dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad.to(device, dtype))
+        return dict(out=out, dq=dq, dk=dk, dv=dv)
+
+    def err(got):
+        return {n: float((t.detach().double().cpu() - ref[n]).abs().max() / ref[n].abs().max()) for n, t in got.items()}
+    print(f"\n## Document attention op on CUDA, one process (B={B}, {Hq} query / {Hkv} KV heads, T={T}, D={D}, "
+          "about 12 documents a row), max abs error / max abs of the float64 CPU oracle\n")
+    print("| dtype | kernel | out | lse | dq | dk | dv |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype, kernel in ((torch.float32, "ours: memory-efficient + mask"), (torch.bfloat16, "ours: flash over document runs")):
+        for name, e in ((kernel, err(ours(dtype))), ("SDPA + boolean mask (floor)", err(sdpa(dtype)))):
+            print(f"| {str(dtype)[6:]} | {name} | " + " | ".join(f"{e[n]:.1e}" if n in e else "-"
+                                                                 for n in ("out", "lse", "dq", "dk", "dv")) + " |")
+    # Isolation: another document's tokens replaced; every token outside it must not move.
+    doc = segments == segments[1, T // 2]
+    q2, k2, v2 = (torch.where(doc[:, None, :, None], torch.randn_like(t), t) for t in (q, k, v))
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = ours(dtype), ours(dtype, q2, k2, v2)
+        keep = (~doc).to(device)[:, None, :]
+        worst = max(float((a[n] - b[n]).abs()[keep.expand(a[n].shape[:3])].max()) for n in a)
+        print(f"isolation, {str(dtype)[6:]}: largest change outside the replaced document {worst:.1e}")
+
+
+def attention_speed(device, seq_lens) -> None:
+    """Forward + backward of one row (bf16, llama3.2-1b's 32 query / 8 KV heads, D = 64): causal
+    flash, the document op and SDPA under the boolean document mask; median of 5 after a warm-up."""
+    import longshield_fx.ops.ring_attention  # noqa: F401  (registers the op)
+    g = torch.Generator().manual_seed(0)
+    print("\n## Packed-document attention on CUDA, bf16, one row of (32 query / 8 KV heads, T, 64), forward + "
+          "backward, median of 5\n")
+    print("| T | documents (Σ len² / T²) | causal flash ms / peak GiB | ours (flash over runs) ms / peak GiB | "
+          "SDPA + document mask ms / peak GiB | ours / causal |")
+    print("|---|---|---|---|---|---|")
+    for seq_len in seq_lens:
+        segments = _document_ids(1, seq_len, 8, g)
+        lengths = torch.unique_consecutive(segments[0], return_counts=True)[1].double()
+        share = float(lengths.pow(2).sum()) / seq_len**2
+        q = torch.randn(1, 32, seq_len, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, 8, seq_len, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        seg = segments.to(device)
+        runs = {
+            "causal": lambda: _gqa_sdpa(q, k, v, is_causal=True),
+            "ours": lambda: torch.ops.longshield.ring_attention(q, k, v, 64**-0.5, "unused", 1, 0, seg)[0],
+            "mask": lambda: _gqa_sdpa(q, k, v, attn_mask=((seg[0, :, None] == seg[0, None, :]) & torch.ones(
+                seq_len, seq_len, dtype=torch.bool, device=device).tril())),
+        }
+        cells = {}
+        for name, fn in runs.items():
+            try:
+                times = []
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                for _ in range(6):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    fn().float().sum().backward()
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                cells[name] = (statistics.median(times[1:]) * 1e3, torch.cuda.max_memory_allocated() / 2**30)
+            except torch.OutOfMemoryError:
+                cells[name] = None
+        fmt = {n: "OOM" if c is None else f"{c[0]:.2f} / {c[1]:.2f}" for n, c in cells.items()}
+        ratio = f"{cells['ours'][0] / cells['causal'][0]:.2f}" if cells["ours"] and cells["causal"] else "-"
+        print(f"| {seq_len} | {len(lengths)} ({share:.3f}) | {fmt['causal']} | {fmt['ours']} | {fmt['mask']} | {ratio} |",
+              flush=True)
 
 
 def main() -> None:
@@ -374,7 +478,7 @@ def main() -> None:
         a = p.parse_args(sys.argv[2:])
         return zoo_worker(a.names, getattr(torch, a.dtype), a.out)
     if sys.argv[1] == "_step_worker":
-        return step_worker(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+        return step_worker(*sys.argv[2:3], int(sys.argv[3]), *sys.argv[4:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     z = sub.add_parser("zoo")
@@ -383,9 +487,11 @@ def main() -> None:
     z.add_argument("names", nargs="*")
     sub.add_parser("dropout")
     s = sub.add_parser("step")
-    s.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
-    s.add_argument("--checkpoint", nargs="+", default=["none", "block"])
-    s.add_argument("--timeout", type=int, default=300)
+    s.add_argument("--cases", nargs="+", default=[f"{t}:{c}" for t in (4096, 16384, 32768) for c in ("none", "block")],
+                   help="T:checkpoint pairs, run in this order")
+    s.add_argument("--timeout", type=int, default=300, help="seconds per worker process")
+    s.add_argument("--methods", nargs="+", default=["eager", "dp", "dp-packed"])
+    s.add_argument("--budget", type=float, default=float("inf"), help="start no case after this many seconds")
     k = sub.add_parser("packed")
     k.add_argument("--device", default="cuda")
     k.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])

@@ -199,9 +199,10 @@ def _sel(x: Tensor, which: int | str, dim: int = 2) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Per-block kernels (the only device-specific code). The CUDA branch (flash for fp16/bf16,
-# memory-efficient for fp32 and for any block under a document mask; both return lse) is
-# written to the aten schemas but only the CPU branch is exercised by the tests.
+# Per-block kernels (the only device-specific code). On CUDA: flash for fp16/bf16, flash over
+# variable-length document runs for a whole row of packed documents (cp == 1) in fp16/bf16,
+# memory-efficient for fp32 and for any other block under a document mask (all return lse).
+# The CPU tests exercise only the CPU branch; benchmarks/gpu_check.py checks the CUDA ones.
 
 
 def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
@@ -247,6 +248,58 @@ def _block_bwd(
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
         go, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
     )
+
+
+def _whole_row_mask(segments: Tensor | None) -> Tensor | None:
+    """The document-and-causal mask of a whole row against itself (cp == 1); None without documents."""
+    return _Documents.gathered(segments, None, 1).allowed(_ALL, 0, _ALL, True)
+
+
+def _by_document_runs(q: Tensor, segments: Tensor | None) -> bool:
+    """Whether a whole-row call (cp == 1) goes to flash attention over variable-length runs: on a
+    GPU in half precision, where flash takes no mask and the dense one costs T^2 per row."""
+    return segments is not None and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _document_runs(segments: Tensor) -> tuple[Tensor, int]:
+    """(cu_seqlens int32, longest run) of the (B, L) ids read row after row as one sequence of
+    runs: a run is a row's contiguous piece of one document, so a document continued in the next
+    row is a new run there, as its mask says."""
+    B, L = segments.shape
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = starts.flatten().nonzero().squeeze(1)
+    cu = torch.cat([first, first.new_tensor([B * L])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _tokens_major(x: Tensor) -> Tensor:
+    """(B, H, L, D) -> (B*L, H, D), the varlen kernels' layout."""
+    B, H, L, D = x.shape
+    return x.transpose(1, 2).reshape(B * L, H, D)
+
+
+def _runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal flash attention within each document run (no mask, no work across documents)."""
+    B, H, L, D = q.shape
+    cu, longest = _document_runs(segments)
+    out, lse, *_ = aten._flash_attention_forward(
+        _tokens_major(q), _tokens_major(k), _tokens_major(v), cu, cu, longest, longest, 0.0, True, False,
+        scale=scale)
+    return out.view(B, L, H, D).transpose(1, 2), lse.float().view(H, B, L).transpose(0, 1)
+
+
+def _runs_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+              segments: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    B, H, L, D = q.shape
+    cu, longest = _document_runs(segments)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+    unused = torch.empty(0, device=q.device)
+    grads = aten._flash_attention_backward(
+        _tokens_major(go), _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(out),
+        lse.transpose(0, 1).reshape(H, B * L).contiguous(), cu, cu, longest, longest, 0.0, True, rng_state,
+        unused, scale=scale)
+    return tuple(g.view(B, L, H, D).transpose(1, 2) for g in grads)
 
 
 def _bias(allowed: Tensor, q: Tensor) -> Tensor:
@@ -424,8 +477,11 @@ def ring_attention(
     groups = _check_shapes(q, k, v, cp, segments)
     w = _inner_ring(cp, inner)
     if cp == 1:  # one block, one kernel call: nothing to merge
-        allowed = _Documents.gathered(segments, None, 1).allowed(_ALL, 0, _ALL, True)
-        out, lse = _block_fwd(q, _expand_heads(k, groups), _expand_heads(v, groups), True, scale, allowed)
+        kk, vv = _expand_heads(k, groups), _expand_heads(v, groups)
+        if _by_document_runs(q, segments):
+            out, lse = _runs_fwd(q, kk, vv, scale, segments)
+        else:
+            out, lse = _block_fwd(q, kk, vv, True, scale, _whole_row_mask(segments))
         last_block_counts.update(forward=blocks_per_rank(1)[0], forward_calls=1, forward_skipped=0)
         return _flash_layout(out), _flash_layout(lse)
     group, rank = _resolve_group(group_name, cp)
@@ -509,9 +565,12 @@ def ring_attention_backward(
     out = out.to(q.dtype)
     lse = lse.float()
     if cp == 1:
-        allowed = _Documents.gathered(segments, None, 1).allowed(_ALL, 0, _ALL, True)
-        dq, dk, dv = _block_bwd(grad_out.contiguous(), q, _expand_heads(k, groups), _expand_heads(v, groups),
-                                out.contiguous(), lse.contiguous(), True, scale, allowed)
+        kk, vv = _expand_heads(k, groups), _expand_heads(v, groups)
+        if _by_document_runs(q, segments):
+            dq, dk, dv = _runs_bwd(grad_out, q, kk, vv, out, lse, scale, segments)
+        else:
+            dq, dk, dv = _block_bwd(grad_out.contiguous(), q, kk, vv, out.contiguous(), lse.contiguous(), True,
+                                    scale, _whole_row_mask(segments))
         last_block_counts.update(backward=blocks_per_rank(1)[0], backward_calls=1, backward_skipped=0)
         return (_flash_layout(dq), _flash_layout(_reduce_heads(dk, groups).to(k.dtype)),
                 _flash_layout(_reduce_heads(dv, groups).to(v.dtype)))

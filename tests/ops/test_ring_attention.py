@@ -114,6 +114,28 @@ def test_cp1_packed_documents_equal_document_attention():
         torch.ops.longshield.ring_attention(q, k, v, D**-0.5, "unused", 1, 0, segments[:, :-1])
 
 
+def test_document_runs_cut_rows_where_the_attention_mask_does():
+    """On a GPU in half precision a whole row of packed documents goes to flash attention over
+    variable-length runs (``_runs_fwd``; its CUDA call is checked by ``benchmarks/gpu_check.py
+    packed``). The runs it is given: causal attention within each run, run by run, equals the
+    document attention, including one-token documents and a document continued in the next row."""
+    q, k, v, grad = _inputs(4)
+    segments = packed_segments(B, T, seed=2)
+    segments[0, :3] = torch.tensor([-1, -2, -3])
+    segments[1, :5] = segments[0, -1]  # the same id at the next row's start: a run of its own
+    cu, longest = ra._document_runs(segments)
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == B * T and longest == max(lengths)
+    assert T in cu.tolist()  # every row starts a run
+    flat = [ra._tokens_major(ra._expand_heads(x, HQ // x.shape[1])) for x in (q, k, v)]
+    runs = [torch.nn.functional.scaled_dot_product_attention(
+        *(x[a:b].transpose(0, 1) for x in flat), is_causal=True).transpose(0, 1)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    out = torch.cat(runs).view(B, T, HQ, D).transpose(1, 2)
+    torch.testing.assert_close(out, document_attention(q, k, v, grad, segments)[0], **TOL)
+    assert not ra._by_document_runs(q, segments)  # the CPU keeps the masked kernel
+
+
 def test_cp1_opcheck():
     q, k, v, _ = _inputs(1, T=8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
