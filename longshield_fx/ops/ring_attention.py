@@ -43,7 +43,10 @@ document-and-causal mask, and a row none of whose pairs in a call shares a docum
 of the call, a call without rows skipped (``last_block_counts["forward_skipped"]``: (row, chunk
 pair)s skipped). A query row with no key of its
 document in a block gets lse = -inf there (the CPU kernel returns 0 for it), so the merge
-ignores the block for that row.
+ignores the block for that row. On one rank (cp = 1) a row attends run by run instead, with
+causal kernels and no mask (a masked kernel computes every score of the row): on the CPU in
+groups of runs of one padded length, on a GPU in fp16/bf16 as flash attention over
+variable-length runs.
 """
 from __future__ import annotations
 
@@ -256,9 +259,12 @@ def _whole_row_mask(segments: Tensor | None) -> Tensor | None:
 
 
 def _by_document_runs(q: Tensor, segments: Tensor | None) -> bool:
-    """Whether a whole-row call (cp == 1) goes to flash attention over variable-length runs: on a
-    GPU in half precision, where flash takes no mask and the dense one costs T^2 per row."""
-    return segments is not None and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+    """Whether a whole-row call (cp == 1) attends run by run, with causal kernels that take no mask
+    (a masked kernel computes all T^2 scores of a row): on the CPU, and on a GPU in half precision
+    (flash over variable-length runs); a GPU in fp32 keeps the masked memory-efficient kernel."""
+    if segments is None:
+        return False
+    return q.device.type == "cpu" or (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16))
 
 
 def _document_runs(segments: Tensor) -> tuple[Tensor, int]:
@@ -279,8 +285,84 @@ def _tokens_major(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B * L, H, D)
 
 
+def _run_buckets(segments: Tensor):
+    """The runs in groups of one padded length P: (index (n, P) into the tokens read row after
+    row, valid (n, P)), whole rows first, as their own group. A run's padding repeats its last
+    token after it, where causal attention hides it from the run's own tokens. P: the next power
+    of two up to 64, then the next multiple of 64, so padding stays under half of a short run and
+    under 64 tokens of a long one."""
+    L = segments.shape[1]
+    cu, _ = _document_runs(segments)
+    starts, lengths = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
+    padded = torch.where(lengths <= 64, 2 ** torch.log2(lengths.double()).ceil().long(), (lengths + 63) // 64 * 64)
+    group = torch.where(lengths == L, 0, padded)
+    for key in group.unique().tolist():
+        chosen = group == key
+        start, length = starts[chosen], lengths[chosen]
+        offsets = torch.arange(key or L, device=segments.device)
+        yield start[:, None] + torch.minimum(offsets, length[:, None] - 1), offsets < length[:, None]
+
+
+def _cpu_runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal flash attention within each document run: rows that are one run as they are, the
+    other runs gathered in groups of one padded length, one kernel call per group."""
+    B, H, L, D = q.shape
+    out, lse = torch.empty_like(q), torch.empty(B, H, L, dtype=torch.float32)
+    flat = None
+    for index, valid in _run_buckets(segments):
+        if index.shape[1] == L and bool(valid.all()):
+            if index.shape[0] == B:  # every row is one run
+                return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+            rows = index[:, 0] // L
+            o, l = aten._scaled_dot_product_flash_attention_for_cpu(
+                *(x.index_select(0, rows) for x in (q, k, v)), 0.0, True, scale=scale)
+            out.index_copy_(0, rows, o)
+            lse.index_copy_(0, rows, l.float())
+            continue
+        flat = flat or [_tokens_major(x) for x in (q, k, v)]
+        o, l = aten._scaled_dot_product_flash_attention_for_cpu(
+            *(x[index].transpose(1, 2) for x in flat), 0.0, True, scale=scale)
+        kept = index[valid]
+        out[kept // L, :, kept % L] = o.transpose(1, 2)[valid]
+        lse[kept // L, :, kept % L] = l.transpose(1, 2)[valid].float()
+    return out, lse
+
+
+def _cpu_runs_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                  segments: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``_cpu_runs_fwd``. A padding query gets a zero output gradient, so it adds
+    nothing to its run's dk and dv."""
+    B, H, L, D = q.shape
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    flat = None
+    for index, valid in _run_buckets(segments):
+        if index.shape[1] == L and bool(valid.all()):
+            if index.shape[0] == B:
+                return aten._scaled_dot_product_flash_attention_for_cpu_backward(go, q, k, v, out, lse, 0.0, True,
+                                                                                   scale=scale)
+            rows = index[:, 0] // L
+            block = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *(x.index_select(0, rows) for x in (go, q, k, v, out, lse)), 0.0, True, scale=scale)
+            for full, part in zip(grads, block):
+                full.index_copy_(0, rows, part)
+            continue
+        if flat is None:
+            flat = [_tokens_major(x) for x in (go, q, k, v, out)] + [lse.permute(0, 2, 1).reshape(B * L, H)]
+        tgo, tq, tk, tv, tout, tlse = flat
+        block = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            (tgo[index] * valid[:, :, None, None]).transpose(1, 2),
+            *(x[index].transpose(1, 2) for x in (tq, tk, tv, tout)), tlse[index].transpose(1, 2).contiguous(),
+            0.0, True, scale=scale)
+        kept = index[valid]
+        for full, part in zip(grads, block):
+            full[kept // L, :, kept % L] = part.transpose(1, 2)[valid]
+    return tuple(grads)
+
+
 def _runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -> tuple[Tensor, Tensor]:
-    """Causal flash attention within each document run (no mask, no work across documents)."""
+    """Causal attention within each document run (no mask, no work across documents)."""
+    if q.device.type == "cpu":
+        return _cpu_runs_fwd(q, k, v, scale, segments)
     B, H, L, D = q.shape
     cu, longest = _document_runs(segments)
     out, lse, *_ = aten._flash_attention_forward(
@@ -291,6 +373,8 @@ def _runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -
 
 def _runs_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
               segments: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if q.device.type == "cpu":
+        return _cpu_runs_bwd(go, q, k, v, out, lse, scale, segments)
     B, H, L, D = q.shape
     cu, longest = _document_runs(segments)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout

@@ -97,12 +97,16 @@ def test_cp1_equals_causal_attention():
                                     "backward": blocks, "backward_calls": 1, "backward_skipped": 0}
 
 
-def test_cp1_packed_documents_equal_document_attention():
+@pytest.mark.parametrize("length", [T, 416])
+def test_cp1_packed_documents_equal_document_attention(length):
     """One process: with ``segments`` each token attends causally within its document only;
-    rows with documents of one token included."""
-    q, k, v, grad = _inputs(4)
-    segments = packed_segments(B, T, seed=2)
+    rows with documents of one token included; at 416 tokens runs longer than 64 too (padded to
+    multiples of 64, not powers of two)."""
+    q, k, v, grad = _inputs(4, length)
+    segments = packed_segments(B, length, seed=2)
     segments[0, :3] = torch.tensor([-1, -2, -3])  # three one-token documents
+    padded = {index.shape[1] for index, _ in ra._run_buckets(segments)}
+    assert 1 in padded and (length == T or any(p > 64 and p % 64 == 0 for p in padded)), padded
     ref_out, ref_lse, ref_grads = document_attention(q, k, v, grad, segments)
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
@@ -114,11 +118,30 @@ def test_cp1_packed_documents_equal_document_attention():
         torch.ops.longshield.ring_attention(q, k, v, D**-0.5, "unused", 1, 0, segments[:, :-1])
 
 
+@pytest.mark.parametrize("rows", ["one document each", "one document and many"])
+def test_cp1_rows_of_one_document_are_attended_as_they_are(rows):
+    """Rows that are one document go to the kernel without being gathered into groups of runs;
+    beside rows of many documents, which are."""
+    q, k, v, grad = _inputs(5)
+    segments = torch.arange(B)[:, None].expand(B, T).clone()
+    if rows == "one document and many":
+        segments[1] = packed_segments(B, T, seed=3)[1]
+    ref_out, ref_lse, ref_grads = document_attention(q, k, v, grad, segments)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def test_document_runs_cut_rows_where_the_attention_mask_does():
-    """On a GPU in half precision a whole row of packed documents goes to flash attention over
-    variable-length runs (``_runs_fwd``; its CUDA call is checked by ``benchmarks/gpu_check.py
-    packed``). The runs it is given: causal attention within each run, run by run, equals the
-    document attention, including one-token documents and a document continued in the next row."""
+    """A whole row of packed documents (cp = 1) attends run by run: on the CPU in groups of runs
+    of one padded length (``test_cp1_packed_documents_equal_document_attention``), on a GPU in
+    half precision as flash attention over variable-length runs (its CUDA call is checked by
+    ``benchmarks/gpu_check.py packed``). The runs: causal attention within each run, run by run,
+    equals the document attention, including one-token documents and a document continued in
+    the next row."""
     q, k, v, grad = _inputs(4)
     segments = packed_segments(B, T, seed=2)
     segments[0, :3] = torch.tensor([-1, -2, -3])
@@ -133,7 +156,7 @@ def test_document_runs_cut_rows_where_the_attention_mask_does():
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
     out = torch.cat(runs).view(B, T, HQ, D).transpose(1, 2)
     torch.testing.assert_close(out, document_attention(q, k, v, grad, segments)[0], **TOL)
-    assert not ra._by_document_runs(q, segments)  # the CPU keeps the masked kernel
+    assert ra._by_document_runs(q, segments) and not ra._by_document_runs(q, None)
 
 
 def test_cp1_opcheck():
