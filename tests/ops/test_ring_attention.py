@@ -97,6 +97,17 @@ def test_cp1_equals_causal_attention():
                                     "backward": blocks, "backward_calls": 1, "backward_skipped": 0}
 
 
+def _assert_one_rank_is_document_attention(q, k, v, grad, segments):
+    """The op at cp = 1: out, lse, dq, dk and dv against ``oracles.document_attention``."""
+    ref_out, ref_lse, ref_grads = document_attention(q, k, v, grad, segments)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("length", [T, 416])
 def test_cp1_packed_documents_equal_document_attention(length):
     """One process: with ``segments`` each token attends causally within its document only;
@@ -107,13 +118,7 @@ def test_cp1_packed_documents_equal_document_attention(length):
     segments[0, :3] = torch.tensor([-1, -2, -3])  # three one-token documents
     padded = {index.shape[1] for index, _ in ra._run_buckets(segments)}
     assert 1 in padded and (length == T or any(p > 64 and p % 64 == 0 for p in padded)), padded
-    ref_out, ref_lse, ref_grads = document_attention(q, k, v, grad, segments)
-    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    torch.testing.assert_close(lse, ref_lse, **TOL)
-    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
-        torch.testing.assert_close(got, want, **TOL)
+    _assert_one_rank_is_document_attention(q, k, v, grad, segments)
     with pytest.raises(ValueError, match="segments must be integer document ids of shape"):
         torch.ops.longshield.ring_attention(q, k, v, D**-0.5, "unused", 1, 0, segments[:, :-1])
 
@@ -126,13 +131,7 @@ def test_cp1_rows_of_one_document_are_attended_as_they_are(rows):
     segments = torch.arange(B)[:, None].expand(B, T).clone()
     if rows == "one document and many":
         segments[1] = packed_segments(B, T, seed=3)[1]
-    ref_out, ref_lse, ref_grads = document_attention(q, k, v, grad, segments)
-    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    torch.testing.assert_close(lse, ref_lse, **TOL)
-    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
-        torch.testing.assert_close(got, want, **TOL)
+    _assert_one_rank_is_document_attention(q, k, v, grad, segments)
 
 
 def test_document_runs_cut_rows_where_the_attention_mask_does():
