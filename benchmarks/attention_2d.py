@@ -51,7 +51,9 @@ def worker(T: int, repeats: int):
     import longshield_fx as lf
     from longshield_fx.models import Llama
 
-    dist.init_process_group("gloo")
+    from longshield_fx._torch import serial_gloo
+
+    dist.init_process_group(serial_gloo())  # gloo, one worker thread: _torch.serial_gloo
     engines = {}
     for name, (hp, cp, inner) in LAYOUTS.items():
         torch.manual_seed(0)

@@ -70,7 +70,9 @@ def worker(layout_name: str, out: str):
     from longshield_fx.models.llama import LlamaConfig
 
     ranks, layout, reshard_after_forward = LAYOUTS[layout_name]
-    dist.init_process_group("gloo")
+    from longshield_fx._torch import serial_gloo
+
+    dist.init_process_group(serial_gloo())  # gloo, one worker thread: _torch.serial_gloo
     rank = dist.get_rank()
     baseline = rss_bytes()
     torch.manual_seed(0)

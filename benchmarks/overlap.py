@@ -90,7 +90,9 @@ def worker(T: int, repeats: int):
     import longshield_fx as lf
     from longshield_fx.models import Llama
 
-    dist.init_process_group("gloo")
+    from longshield_fx._torch import serial_gloo
+
+    dist.init_process_group(serial_gloo())  # gloo, one worker thread: _torch.serial_gloo
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     engines = {}
     for with_pass in (False, True):

@@ -82,8 +82,10 @@ def main() -> int:
     for t in threads:
         t.join()
     print(file=sys.stderr)
-    print("| resumes | failed | launches beside | environment |\n|---|---|---|---|")
-    print(f"| {a.runs} | {sum(failures.values())} | {sum(beside_runs.values())} | {' '.join(a.env) or '-'} |")
+    beside_failed = sum(n for sig, n in beside_runs.items() if sig != "ok")
+    print("| resumes | failed | launches beside | of them failed | environment |\n|---|---|---|---|---|")
+    print(f"| {a.runs} | {sum(failures.values())} | {sum(beside_runs.values())} | {beside_failed} | "
+          f"{' '.join(a.env) or '-'} |")
     for sig, n in failures.most_common():
         print(f"\n{n} x `{sig}`")
     print(f"\nfailing launches' output: {keep}")

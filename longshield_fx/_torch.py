@@ -30,6 +30,8 @@ private API                                                        why
 ``DTensor._op_dispatcher.sharding_propagator``                       carries the batch (batch_dims)
 ``torch._grouped_mm``                                                per-unit linear gradients of packed
                                                                    documents on CUDA (ops/segment.py)
+``ProcessGroupGloo._Options`` ``_threads``/``_devices``, a group's    gloo with one worker thread
+``_get_backend``                                                     (``serial_gloo``)
 =================================================================  ======================================
 """
 from __future__ import annotations
@@ -215,6 +217,11 @@ def fake_world(cp: int, dp: int = 1, hp: int = 1, rank: int = 0):
         dist.destroy_process_group()
 
 
+def in_fake_world() -> bool:
+    """Whether the default process group is ``fake_world``'s (nothing is sent or received)."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def swapped_tensors(model: torch.nn.Module, tensors: dict):
     """``model`` with parameters/buffers named in ``tensors`` swapped in for the duration (a
     tied weight's other names follow it), as ``torch.func.functional_call`` does."""
@@ -253,6 +260,45 @@ def flattened_group(mesh, dims: tuple[str, ...]) -> dist.ProcessGroup:
     if len(dims) == 1:
         return mesh[dims[0]].get_group()
     return mesh[dims]._flatten().get_group()
+
+
+# --- gloo with one worker thread ------------------------------------------------------------------
+
+SERIAL_GLOO = "longshield_gloo"
+
+
+def serial_gloo() -> str:
+    """The name of a gloo backend whose process groups run their asynchronous collectives on
+    ONE worker thread (registered on the first call): ``dist.init_process_group(serial_gloo())``
+    makes it the default, so the groups made after it (DeviceMesh's too) use it as well.
+
+    Why: torch's ProcessGroupGloo runs them on two worker threads, and each thread writes the
+    name of the collective it finished into the group's shared status
+    (``ProcessGroupGloo::runLoop``: ``pgStatus_->lastCompletedWorkName``) outside any lock. Two
+    collectives finishing together race on that std::string: a double free (AddressSanitizer
+    shows it) that aborts a rank with glibc's "malloc(): unaligned tcache chunk detected" or
+    corrupts its heap silently. The overlap pass keeps several collectives in flight, which is
+    where training under gloo met it (``benchmarks/stress_gloo_race.py``)."""
+    if not hasattr(dist.Backend, SERIAL_GLOO.upper()):
+        dist.Backend.register_backend(SERIAL_GLOO, _serial_gloo_group, devices=["cpu"])
+    return SERIAL_GLOO
+
+
+def _serial_gloo_group(store, rank: int, size: int, timeout) -> dist.ProcessGroupGloo:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options._threads = 1
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def gloo_worker_threads(group: dist.ProcessGroup) -> int:
+    """How many threads run ``group``'s asynchronous gloo collectives; 0 when it is not gloo."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:  # no CPU backend (NCCL only)
+        return 0
+    return backend.options._threads if isinstance(backend, dist.ProcessGroupGloo) else 0
 
 
 # --- DTensor's sharding propagation, asked how an op carries the batch dimension ------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -150,6 +151,19 @@ def describe_collectives():
 WORKER = Path(__file__).parent / "runtime" / "cp_worker.py"
 ZOO = Path(__file__).parent / "hf_zoo.py"
 LAUNCH_TIMEOUT_S = 1800
+# What a rank prints when it dies in C/C++: glibc's heap checks, std::terminate, faulthandler, ASan.
+_ABORT = re.compile(r"malloc\(\)|free\(\)|double free|corrupted|terminate called|Fatal Python error|"
+                    r"AddressSanitizer|Segmentation fault")
+
+
+def _log_excerpt(text: str, tail: int = 4000) -> str:
+    """The log's tail, led by the first lines that say why a rank died (a rank's abort and its
+    faulthandler stack scroll out of the tail behind torchrun's report of it)."""
+    found = _ABORT.search(text, 0, max(0, len(text) - tail))
+    if not found:
+        return text[-tail:]
+    start = text.rfind("\n", 0, found.start()) + 1
+    return text[start:start + 6000] + "\n[…]\n" + text[-tail:]
 
 
 class Launches:
@@ -225,7 +239,7 @@ class Launches:
                   and isinstance(ranks[r][name].get("error"), str) and "Traceback" in ranks[r][name]["error"]]
         if errors or (missing and name != "dead_peer"):
             pytest.fail(f"cp_worker (world {world}, exit {rc}) has no result for {name!r} on ranks {missing}:\n"
-                        + "\n".join(errors) + "\n--- log tail ---\n" + text[-4000:], pytrace=False)
+                        + "\n".join(errors) + "\n--- log ---\n" + _log_excerpt(text), pytrace=False)
         return {r: ranks[r][name] for r in range(world) if name in ranks.get(r, {})}
 
     def close(self) -> None:

@@ -186,6 +186,8 @@ def setup_distributed(cp: int, device: str, command: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from .._torch import serial_gloo
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         if cp > 1:
@@ -197,7 +199,8 @@ def setup_distributed(cp: int, device: str, command: str):
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(minutes=10)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout, **_attempt_store(timeout))
+    backend = "nccl" if device == "cuda" else serial_gloo()  # one worker thread: see _torch.serial_gloo
+    dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
     _RANK[0] = dist.get_rank()
     dp = world // cp
     if dp > 1:

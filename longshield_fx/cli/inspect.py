@@ -210,7 +210,7 @@ def _lower(args, stack: contextlib.ExitStack):
     ids = torch.randint(0, 256, (args.physical_batch_size, args.seq_len),
                         generator=torch.Generator().manual_seed(args.seed))
     if args.packed:
-        engine, lowered, slots = _lower_packed(args, model, config, checkpoint, ids)
+        engine, lowered, slots = _lower_packed(args, model, mesh, config, checkpoint, ids)
     else:
         engine = lf.compile(model, mesh, config=config, checkpoint=checkpoint, inner_ring=args.inner_ring)
         lowered, slots = engine.lower(ids, ids), ""
@@ -223,7 +223,7 @@ def _lower(args, stack: contextlib.ExitStack):
     return engine, lowered, dp, header, model_name
 
 
-def _lower_packed(args, model, config, checkpoint, ids):
+def _lower_packed(args, model, mesh, config, checkpoint, ids):
     """The packed-documents graph of ``train --data`` for rows of random documents: (engine,
     lowered, the header's words on the unit slots)."""
     import longshield_fx as lf
@@ -231,8 +231,8 @@ def _lower_packed(args, model, config, checkpoint, ids):
     from ..losses import packing_refused
     from ..packing import pack_documents, unit_slots_for
 
-    if args.cp * args.hp > 1:
-        raise CLIError("inspect --packed: packed documents run on one process for now; drop --cp/--hp")
+    if args.hp > 1:
+        raise CLIError("inspect --packed: packed documents run over cp and dp, not hp yet; drop --hp")
     if args.physical_batch_size < 2:
         raise CLIError("inspect --packed: a packed batch has at least 2 rows; set --physical-batch-size 2 or more")
     why = packing_refused(model.lm)
@@ -240,7 +240,8 @@ def _lower_packed(args, model, config, checkpoint, ids):
         raise CLIError(f"inspect --packed: {why}")
     rows, T = ids.shape
     U = unit_slots_for(rows)
-    engine = lf.compile(lf.PackedCausalLMLoss(model.lm), config=config, checkpoint=checkpoint, packed_units=U)
+    engine = lf.compile(lf.PackedCausalLMLoss(model.lm), mesh, config=config, checkpoint=checkpoint,
+                        packed_units=U, inner_ring=args.inner_ring)
     flat = ids.flatten().tolist()  # documents of 1 to T/2 tokens cut from the random rows, one unit each
     g = torch.Generator().manual_seed(args.seed)
     cuts = torch.randint(2, max(3, T // 2 + 1), (U,), generator=g).tolist()

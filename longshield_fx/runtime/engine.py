@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch import nn
 
-from .._torch import GUARDS
+from .._torch import GUARDS, gloo_worker_threads
 from .._transformers import for_capture
 from ..capture import capture
 from ..config import DPConfig
@@ -30,6 +30,11 @@ from .parallel import Parallel
 log = logging.getLogger(__name__)
 _RECAPTURE_WARNING = 8  # the capture of one graph that warns of repeated recaptures (as dynamo's recompile_limit)
 
+
+
+def _threaded_gloo(mesh) -> bool:
+    """Whether a group of ``mesh`` is gloo with more than one worker thread."""
+    return mesh is not None and any(gloo_worker_threads(mesh.get_group(d)) > 1 for d in range(mesh.ndim))
 
 class Engine:
     """A compiled DP training step. Made by ``longshield_fx.compile``.
@@ -75,6 +80,12 @@ class Engine:
         sharded = self.sharding is not None
         layout = dict(cp=cp, checkpointing=checkpoint, fsdp=sharded, packed=bool(packed_units))
         in_per_sample = {p.__name__ for p in pipeline(training=False, **layout)}
+        if "overlap" in {p.__name__ for p in pipeline(training=True, **layout)} and _threaded_gloo(mesh):
+            # Collectives in flight together race in torch's two-thread gloo groups (see
+            # _torch.serial_gloo); without overlap each is waited before the next is issued.
+            log.info("compile: the overlap pass is left out: the mesh's gloo groups run collectives on "
+                     "several worker threads (torch's race in ProcessGroupGloo::runLoop)")
+            disable_passes = {*disable_passes, "overlap"}
         self.pipelines = {
             "train": pipeline(training=True, **layout, disable=disable_passes),
             "per_sample": pipeline(training=False, **layout, disable=set(disable_passes) & in_per_sample)}
@@ -160,11 +171,12 @@ class Engine:
         second unit's norm unchanged (causal attention without the document mask fails here),
         and replacing the second half's the first unit's (a last token trained to predict the
         next unit's first fails here). Three runs of the train graph at capture; skipped for
-        fake tensors, for a batch whose values cannot be varied, and where a unit has no gradient
-        to watch (a batch of padding, as the CLI compiles on)."""
-        from .._torch import FakeTensor
+        fake tensors and on a fake process group (its collectives leave their outputs unfilled),
+        for a batch whose values cannot be varied, and where a unit has no gradient to watch (a
+        batch of padding, as the CLI compiles on)."""
+        from .._torch import FakeTensor, in_fake_world
 
-        if any(isinstance(t, FakeTensor) for t in batch):
+        if any(isinstance(t, FakeTensor) for t in batch) or in_fake_world():
             return
         B, T = batch[-1].shape
         half = T // 2

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._torch import c10d, flattened_group
+from .._torch import c10d, flattened_group, gloo_worker_threads
 from ..losses import (CausalLMLoss, PackedCausalLMLoss, ShardedCausalLMLoss, ShardedPackedCausalLMLoss,
                       document_segments, shift_labels)
 from ..ops.ring_attention import zigzag_index
@@ -75,7 +75,7 @@ class Parallel:
             raise ValueError(f"compile: the mesh has {mesh.size()} ranks but the world has "
                              f"{dist.get_world_size()}; the mesh must cover every rank")
         device = next(model.parameters()).device
-        if device.type != "cpu" and dist.get_backend() == "gloo":
+        if device.type != "cpu" and gloo_worker_threads(dist.group.WORLD):  # any gloo
             raise ValueError(f"compile: the model is on {device} but the process group uses gloo, whose "
                              "point-to-point transfers (ring attention) fail on device tensors; use "
                              "init_process_group('nccl') for GPUs, or keep the model on the CPU with gloo")

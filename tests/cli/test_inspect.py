@@ -204,7 +204,8 @@ def test_inspect_double_ring_passes_its_inner_ring_to_the_graph_and_the_timeline
 
 def test_inspect_packed_shows_the_unit_slots_and_each_parameters_per_unit_method(tmp_path, capsys):
     """--packed lowers the graph `train --data` runs: 4 unit slots per row, and per parameter the
-    norm method the packed engine picks for those shapes (the unit slots are its samples)."""
+    norm method the packed engine picks for those shapes (the unit slots are its samples); with
+    --cp 2, the ring attention and the per-unit-slot gradients reduce-scattered over cp."""
     from longshield_fx.packing import empty_batch, unit_slots_for
 
     text = run_inspect("-T", T, "--packed", "--out", tmp_path)
@@ -217,6 +218,12 @@ def test_inspect_packed_shows_the_unit_slots_and_each_parameters_per_unit_method
     lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  lm.")}
     for name, method in methods.items():
         assert lines[name].endswith(method), (name, method)
-    assert cli.main(["inspect", "-T", str(T), "--packed", "--cp", "2", "--out", str(tmp_path)]) == 2
+    text = run_inspect("-T", T, "--packed", "--cp", "2", "--out", tmp_path)
+    assert "cp=2 (fake process group, one process)" in text and f"packed documents: {U} unit slots" in text
+    collectives = [line.split() for line in text.splitlines() if line.startswith("  ") and "B" == line.split()[-1]]
+    assert sum(c[1] == "ring_attention" for c in collectives) == 2  # one per layer
+    scattered = [c[2] for c in collectives if c[1] == "reduce_scatter_tensor"]
+    assert scattered and all(f",{U + 1}," in shape for shape in scattered), scattered  # (.., U+1 slots, ..)
+    assert cli.main(["inspect", "-T", str(T), "--packed", "--hp", "2", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "packed documents run on one process" in err[0], err
+    assert len(err) == 1 and "not hp yet" in err[0], err

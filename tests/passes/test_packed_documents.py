@@ -359,12 +359,13 @@ def test_a_model_that_lets_the_units_of_a_row_reach_each_other_is_refused(leak, 
 
 
 @pytest.mark.parametrize("world, kind", [pytest.param(w, k, marks=pytest.mark.torchrun(w), id=f"cp{w}-{k}")
-                                         for w, k in ((4, "ref-block"), (4, "ref-fsdp"), (2, "llama"), (2, "qwen2"),
-                                                      (2, "gpt2"))])
+                                         for w, k in ((4, "ref-block"), (4, "ref-fsdp"), (4, "llama-cp4"), (2, "ref"),
+                                                      (2, "llama"), (2, "qwen2"), (2, "gpt2"))])
 def test_under_cp_each_unit_is_still_one_sample(distributed, world, kind):
     """Packed documents under context parallelism (``cp_worker.packed_case``): the reference Llama
-    at cp=4 with block checkpointing and at dp=2 x cp=2 with ZeRO-3 over both (the physical batches
-    dealt round the replicas), and Hugging Face Llama, Qwen2 and GPT-2 at cp=2, with units spanning
+    at cp=2, at cp=4 with block checkpointing and at dp=2 x cp=2 with ZeRO-3 over both (the physical
+    batches dealt round the replicas), Hugging Face Llama at cp=2 and cp=4, and Qwen2 and GPT-2 at
+    cp=2, with units spanning
     rows, physical batches and cp ranks. On every rank: each unit's gradient and norm
     equal the unit alone, and so does the clipped sum of all physical batches; leaving one unit
     out moves that sum by at most C; one unit's tokens replaced leave every other unit's

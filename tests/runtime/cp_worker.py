@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import longshield_fx as lf  # noqa: E402
-from longshield_fx._torch import resolve_process_group  # noqa: E402
+from longshield_fx._torch import resolve_process_group, serial_gloo  # noqa: E402
 from longshield_fx.cli.inspect import collective_bytes  # noqa: E402
 from longshield_fx.passes._graph import is_head_all_to_all  # noqa: E402
 from longshield_fx.ops import ring_attention as ra  # noqa: E402
@@ -433,7 +433,7 @@ def _save(results: dict, path: str) -> None:
 
 def main():
     out_path = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(serial_gloo(), timeout=datetime.timedelta(seconds=300))  # see serial_gloo
     world = dist.get_world_size()
     results = {}
 
@@ -459,10 +459,8 @@ def main():
     resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--resume=")]
     if resume:  # ``cp_worker.py OUT_DIR --resume=PATH,NOISY_PATH``: only the resumed run
         record("dcp_resume", dcp_resume, *resume[0].split(","))
-        dist.barrier()
-        # Interpreter teardown after DCP's load sometimes aborts in a C++ destructor ("terminate
-        # called without an active exception", seen once in CI); the results are on disk.
-        os._exit(0)
+        dist.destroy_process_group()
+        return
     only = set(sys.argv[2:])  # by hand: ``cp_worker.py OUT_DIR NAME ...`` runs just those engine cases (and dcp_save)
     for name, case in CP_CASES.items():
         if case.world == world and (not only or name in only):
@@ -472,8 +470,9 @@ def main():
     if world == 4 and (not only or "packed" in only):
         record("packed-ref-block", packed_case, "ref", "block")
         record("packed-ref-fsdp", packed_case, "ref", None, 2, ("dp", "cp"))
+        record("packed-llama-cp4", packed_case, "llama")  # Hugging Face Llama round a ring of 4
     if world == 2 and (not only or "packed" in only):
-        for kind in ("llama", "qwen2", "gpt2"):  # the reference Llama: in the 4-rank launch
+        for kind in ("ref", "llama", "qwen2", "gpt2"):
             record(f"packed-{kind}", packed_case, kind)
     if world == 2 and not only:
         record("model_rng", model_rng)

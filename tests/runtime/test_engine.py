@@ -420,3 +420,25 @@ def test_repeated_recaptures_warn(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"changed again \(scale: 1.0 -> 2.0\); this is capture 2 of the "
                                             r"per_sample graph.*tensor buffer"):
         engine.per_sample_grads(*batch)
+
+
+@pytest.mark.parametrize("backend, threads, overlapped", [("gloo", 2, False), ("serial", 1, True)])
+def test_overlap_is_left_out_where_gloo_runs_collectives_on_several_threads(backend, threads, overlapped):
+    """torch's gloo groups finish collectives on two worker threads that race (a double free in
+    ``ProcessGroupGloo::runLoop``, ``_torch.serial_gloo``), and the overlap pass keeps several in
+    flight: under such a mesh the pass is left out. ``serial_gloo()`` groups (the CLI's and the
+    multi-process tests') have one worker thread, DeviceMesh's too, and keep it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from longshield_fx._torch import gloo_worker_threads, serial_gloo
+
+    dist.init_process_group("gloo" if backend == "gloo" else serial_gloo(), rank=0, world_size=1,
+                            store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+        assert gloo_worker_threads(dist.group.WORLD) == gloo_worker_threads(mesh.get_group(0)) == threads
+        engine = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 0.0), fsdp=("cp",))
+        assert ("overlap" in [p.__name__ for p in engine.pipelines["train"]]) == overlapped
+    finally:
+        dist.destroy_process_group()
