@@ -44,10 +44,12 @@ def test_frozen_parameters_get_no_gradient():
 
 @pytest.mark.slow
 def test_llama_8b_shapes_capture_on_fake_tensors():
-    """Real 8B shapes, no real memory: what the planner builds on (time is printed, not asserted)."""
+    """Real 8B shapes, no real memory: what the planner builds on (time is printed, not asserted).
+    Two of its 32 layers: each layer is the same graph, and the planner's tests (tests/tools/
+    test_plan.py) capture all 32."""
     start = time.time()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = lf.CausalLMLoss(Llama.from_name("llama3.1-8b"))
+        model = lf.CausalLMLoss(Llama.from_name("llama3.1-8b", n_layers=2))
         ids = torch.randint(0, 128256, (1, 4096))
     captured = capture(model, (ids, ids))
     lowered = lower(PassContext(captured, 1), pipeline(training=False))

@@ -26,10 +26,10 @@ from .noise import NoiseGenerator, broadcast_key, key_from_insecure_seed
 from .fsdp import Sharding
 from .guards import describe_change, fingerprint
 from .parallel import Parallel
+from .traces import keep_trace, shared_trace, trace, trace_key
 
 log = logging.getLogger(__name__)
 _RECAPTURE_WARNING = 8  # the capture of one graph that warns of repeated recaptures (as dynamo's recompile_limit)
-
 
 
 def _threaded_gloo(mesh) -> bool:
@@ -41,6 +41,8 @@ class Engine:
 
     Capture happens at the first call, with that batch's shapes; every later physical
     batch must have the same shapes (pad with a mask: ``longshield_fx.data.PoissonBatches``).
+    A capture is traced once per model structure per process: another engine of the model, or
+    of a rebuilt one alike, takes the trace (``runtime.traces``; ``traces`` counts its own).
 
     Capture guards. A captured graph has the Python state its forward read baked in, so
     before each run (``accumulate``, ``per_sample_grads``, ``lower``) the engine checks that
@@ -92,12 +94,13 @@ class Engine:
         if sharded:  # last of the checks: from here on the model's parameters are DTensor shards
             self.sharding.shard_model(model)
         self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
+        self.traces = 0  # of those, the ones traced here, not taken from another engine (runtime.traces)
+        self._pristine = None  # (model fingerprint, an unrewritten copy of the last capture)
         self.nonfinite_samples = 0  # real samples whose gradient was inf/nan (contributed 0)
         self._lowered: dict[str, Lowered] = {}
         # graph -> (model fingerprint, dynamo's guards) at its capture: see "Capture guards".
         self._captured_from: dict[str, tuple] = {}
         self._graph_captures: dict[str, int] = {}
-        self._pristine = None  # (model fingerprint, an unrewritten copy of the last capture)
         self._shapes = None
         # A batch of one runs as two rows, the second a masked copy of the first, when the graph
         # of one sample is refused and that of two is not (``lower``).
@@ -295,11 +298,18 @@ class Engine:
         batch = self.parallel.shard(batch)
         captured = self._shared_capture(state, batch)
         if captured is None:
-            # the joint graph needs autograd, whatever mode the caller is in; a sharded model
-            # is traced with full-shape fake parameters (in the compute dtype) in its shards' place
-            full = self.sharding.full_parameters(model, dtype) if self.sharding else contextlib.nullcontext()
-            with torch.enable_grad(), full:
-                captured = capture(model, batch)
+            traced = (type(model), dtype or next(model.parameters()).dtype, self.sharding is not None,
+                      type(next(model.parameters())), tuple((tuple(t.shape), t.dtype, t.device) for t in batch))
+            key = trace_key(self.model, state, traced)
+            captured = shared_trace(key, self.model, lambda guards: self._guard_failure(guards, batch))
+            if captured is None:
+                # the joint graph needs autograd, whatever mode the caller is in; a sharded model
+                # is traced with full-shape fake parameters (in the compute dtype) in its shards' place
+                full = self.sharding.full_parameters(model, dtype) if self.sharding else contextlib.nullcontext()
+                with torch.enable_grad(), full:
+                    captured, caught = trace(capture, model, batch)
+                self.traces += 1
+                keep_trace(key, self.model, captured, caught)
             self.captures += 1
             self._pristine = (state, captured.copy())  # the other graph starts from this capture
         self._graph_captures[graph] = self._graph_captures.get(graph, 0) + 1

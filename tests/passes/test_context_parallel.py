@@ -6,6 +6,7 @@ fp32, flash for fp16/bf16), with shapes from fake tensors. The ring rewrite must
 collectives as from the CPU graph (pinned in test_shard_grads.py; both read the shared
 ``cp_graph(2)``).
 """
+import collections
 import math
 import operator
 
@@ -18,6 +19,7 @@ import longshield_fx.runtime.engine as engine_module
 from expecttest import assert_expected_inline
 from longshield_fx.passes._context import PER_SAMPLE_GRAD
 from longshield_fx.passes._graph import GraphBuilder
+from longshield_fx.runtime import traces
 
 from oracles import tiny_llama
 
@@ -90,6 +92,7 @@ def capture_with_cuda_attention(monkeypatch, kernel) -> list:
         return captured
 
     monkeypatch.setattr(engine_module, "capture", capture_then_swap)
+    monkeypatch.setattr(traces, "_TRACES", collections.OrderedDict())  # traces of this capture stay here
     return swapped
 
 

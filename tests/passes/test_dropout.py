@@ -1,11 +1,14 @@
 """Dropout in training mode: the model's own random masks, per sample, kept (not redrawn)
 under activation checkpointing."""
+import collections
+
 import pytest
 import torch
 import transformers
 
 import longshield_fx as lf
 
+from longshield_fx.runtime import traces
 from oracles import token_batch
 
 
@@ -100,6 +103,7 @@ def test_fused_attention_with_dropout_is_refused_under_context_parallelism(monke
         return captured
 
     monkeypatch.setattr(engine_module, "capture", capture_with_attention_dropout)
+    monkeypatch.setattr(traces, "_TRACES", collections.OrderedDict())  # traces of this capture stay here
     ids = torch.zeros(2, 16, dtype=torch.long)
     with fake_world(2) as mesh:
         engine = lf.compile(tiny_llama(), mesh, config=lf.DPConfig(1.0, 1.0))

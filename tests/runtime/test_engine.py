@@ -1,5 +1,7 @@
 """Engine: noise once per logical batch, fixed shapes, accounting, checkpoints, bf16, bad input,
 capture guards."""
+import collections
+import copy
 import logging
 import math
 import pickle
@@ -12,6 +14,7 @@ import longshield_fx as lf
 from longshield_fx.runtime.accounting import epsilon_for
 
 from longshield_fx.data import PoissonBatches
+from longshield_fx.runtime import traces
 from oracles import MLP, assert_matches_vmap, logical, mlp_batch, tiny_llama, token_batch, vmap_per_sample_grads
 
 
@@ -407,6 +410,71 @@ def test_an_unchanged_model_is_not_recaptured():
         engine.accumulate(*batch)
     engine.finalize(logical(4, 4.0))
     assert engine.captures == 1
+
+
+def test_engines_of_models_alike_share_one_trace_until_a_model_changes(monkeypatch):
+    """Another engine of the model (another config, a disabled pass) or of a copy of it traces
+    nothing and computes what a fresh trace does; a change the trace depends on (eval mode) or
+    another batch shape makes the next engine trace anew."""
+    monkeypatch.setattr(traces, "_TRACES", collections.OrderedDict())  # none from earlier tests
+    model, batch = ModeScaled(), mlp_batch()
+    first = lf.compile(model, config=lf.DPConfig(1.0, 0.0))
+    first.per_sample_grads(*batch)
+    again, alike = lf.compile(model, disable_passes=("ghost_norm",)), lf.compile(copy.deepcopy(model))
+    grads = assert_matches_vmap(model, batch, again.per_sample_grads(*batch))
+    with torch.no_grad():
+        next(model.parameters()).mul_(2)  # a value, not the structure: the trace still serves
+    twice = alike.per_sample_grads(*batch)
+    assert [(e.captures, e.traces) for e in (first, again, alike)] == [(1, 1), (1, 0), (1, 0)]
+    for name, g in grads.items():
+        torch.testing.assert_close(twice[name], g, rtol=0, atol=0, msg=name)
+    model.eval()
+    evaluating = lf.compile(model)
+    assert_matches_vmap(model, batch, evaluating.per_sample_grads(*batch))
+    model.train()
+    fewer = lf.compile(model)
+    fewer.per_sample_grads(*(t[:2] for t in batch))
+    assert (evaluating.traces, fewer.traces) == (1, 1)
+
+
+class ConstantScaled(nn.Module):
+    """A plain tensor attribute (not a buffer): the trace bakes its value in."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.scale = torch.tensor(scale)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy((self.fc(x) * self.scale).transpose(1, 2), y, reduction="none").sum(1)
+
+
+def test_a_trace_with_a_tensor_constant_serves_only_its_own_model():
+    batch = mlp_batch()
+    one = ConstantScaled(1.0)
+    three = copy.deepcopy(one)
+    three.scale = torch.tensor(3.0)
+    for model in (one, three):
+        assert_matches_vmap(model, batch, lf.compile(model).per_sample_grads(*batch))
+
+
+class WithAnUnusedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.unused = nn.Linear(6, 3), nn.Linear(2, 2)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.fc(x).transpose(1, 2), y, reduction="none").sum(1)
+
+
+def test_a_shared_trace_gives_its_warnings_again():
+    """The warning of a parameter the loss never reaches comes with every engine, traced or not."""
+    batch = mlp_batch()
+    for _ in range(2):
+        engine = lf.compile(WithAnUnusedLayer())
+        with pytest.warns(UserWarning, match=r"\['unused.weight', 'unused.bias'\] get no gradient from the loss"):
+            engine.per_sample_grads(*batch)
+    assert engine.traces == 0
 
 
 def test_repeated_recaptures_warn(monkeypatch):
