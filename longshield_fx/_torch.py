@@ -32,6 +32,8 @@ private API                                                        why
                                                                    documents on CUDA (ops/segment.py)
 ``ProcessGroupGloo._Options`` ``_threads``/``_devices``, a group's    gloo with one worker thread
 ``_get_backend``                                                     (``serial_gloo``)
+``torch.nn.modules.module._global_*hooks``, a module's ``_*hooks``    hooked models keep their own
+                                                                   traces (``runtime.traces``)
 =================================================================  ======================================
 """
 from __future__ import annotations
@@ -220,6 +222,16 @@ def fake_world(cp: int, dp: int = 1, hp: int = 1, rank: int = 0):
 def in_fake_world() -> bool:
     """Whether the default process group is ``fake_world``'s (nothing is sent or received)."""
     return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def has_module_hooks(model: torch.nn.Module) -> bool:
+    """Whether a forward or backward hook would run around a module of ``model``: its own, or
+    a global one (``register_module_forward_hook`` and the like)."""
+    import torch.nn.modules.module as m
+
+    kinds = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
+    return (any(getattr(m, f"_global_{kind}") for kind in kinds)
+            or any(getattr(module, f"_{kind}") for module in model.modules() for kind in kinds))
 
 
 def swapped_tensors(model: torch.nn.Module, tensors: dict):

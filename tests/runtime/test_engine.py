@@ -449,13 +449,25 @@ class ConstantScaled(nn.Module):
         return nn.functional.cross_entropy((self.fc(x) * self.scale).transpose(1, 2), y, reduction="none").sum(1)
 
 
-def test_a_trace_with_a_tensor_constant_serves_only_its_own_model():
+def test_traces_with_a_tensor_constant_or_of_a_hooked_model_are_not_shared():
+    """A plain tensor attribute is baked into the graph (other instances, or the same one after
+    it is reassigned, hold other values), and module hooks are in neither the key nor dynamo's
+    guards: each engine traces its own."""
     batch = mlp_batch()
     one = ConstantScaled(1.0)
     three = copy.deepcopy(one)
     three.scale = torch.tensor(3.0)
-    for model in (one, three):
-        assert_matches_vmap(model, batch, lf.compile(model).per_sample_grads(*batch))
+    for model in (one, three, one):
+        engine = lf.compile(model)
+        assert_matches_vmap(model, batch, engine.per_sample_grads(*batch))
+        assert engine.traces == 1
+        one.scale = torch.tensor(2.0)
+    hooked = MLP()
+    lf.compile(copy.deepcopy(hooked)).per_sample_grads(*batch)
+    hooked.fc1.register_forward_hook(lambda module, args, out: out * 10)
+    engine = lf.compile(hooked)
+    assert_matches_vmap(hooked, batch, engine.per_sample_grads(*batch))
+    assert engine.traces == 1
 
 
 class WithAnUnusedLayer(nn.Module):
