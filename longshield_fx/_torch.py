@@ -225,8 +225,8 @@ def in_fake_world() -> bool:
 
 
 def has_module_hooks(model: torch.nn.Module) -> bool:
-    """Whether a forward or backward hook would run around a module of ``model``: its own, or
-    a global one (``register_module_forward_hook`` and the like)."""
+    """Whether a user's forward or backward hook would run around a module of ``model``: one of
+    its own, or one set for every module. Only reads the hook dicts; nothing is registered."""
     import torch.nn.modules.module as m
 
     kinds = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")

@@ -298,8 +298,9 @@ class Engine:
         batch = self.parallel.shard(batch)
         captured = self._shared_capture(state, batch)
         if captured is None:
-            traced = (type(model), dtype or next(model.parameters()).dtype, self.sharding is not None,
-                      type(next(model.parameters())), tuple((tuple(t.shape), t.dtype, t.device) for t in batch))
+            first = next(model.parameters())
+            traced = (type(model), dtype or first.dtype, self.sharding is not None, type(first),
+                      tuple((tuple(t.shape), t.dtype, t.device) for t in batch))
             key = trace_key(self.model, state, traced)
             captured = shared_trace(key, self.model, lambda guards: self._guard_failure(guards, batch))
             if captured is None:

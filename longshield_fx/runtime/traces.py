@@ -49,13 +49,13 @@ def trace_key(model: nn.Module, state: dict, traced: tuple) -> tuple:
             value = (first.setdefault(value[0], len(first)), *value[1:])
         canonical.append((name, value))
     code: dict[type, tuple] = {}
-    for m in model.modules():
+    modules = []
+    for name, m in model.named_modules(remove_duplicate=False):
         if type(m) not in code:
             code[type(m)] = _functions(type(m))
-    modules = tuple((name, type(m), tuple((k, v) for k, v in vars(m).items() if isinstance(v, _FUNCTIONS)))
-                    for name, m in model.named_modules(remove_duplicate=False))
+        modules.append((name, type(m), tuple((k, v) for k, v in vars(m).items() if isinstance(v, _FUNCTIONS))))
     strides = tuple(t.stride() for t in (*model.parameters(), *model.buffers()))
-    return traced, modules, tuple(code.items()), strides, tuple(canonical)
+    return traced, tuple(modules), tuple(code.items()), strides, tuple(canonical)
 
 
 def _functions(cls: type) -> tuple:
@@ -75,8 +75,7 @@ def shared_trace(key: tuple, model: nn.Module, guard_failure) -> CapturedGraph |
     if guards is not None and guard_failure(guards) is not None:
         return None
     _TRACES.move_to_end(key)
-    for w in caught:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    _warn_again(caught)
     return captured.copy()
 
 
@@ -85,9 +84,13 @@ def trace(fn, *args) -> tuple:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         captured = fn(*args)
+    _warn_again(caught)
+    return captured, caught
+
+
+def _warn_again(caught: list) -> None:
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return captured, caught
 
 
 def keep_trace(key: tuple, model: nn.Module, captured: CapturedGraph, caught: list) -> None:
