@@ -1,8 +1,11 @@
 """``calibrate_noise``: the smallest noise multiplier that meets a privacy target.
 
 The search is ``dp_accounting.calibrate_dp_mechanism``; what is ours is the bracket it
-needs (walked from the RDP answer for PLD, whose evaluations cost seconds) and a memo so
-that no epsilon is computed twice in one calibration.
+needs and the order in which accountants are asked. A PLD evaluation costs up to seconds
+at small sigma (a Python loop over every discretisation point), so the PLD search starts
+from RDP's answer and passes through coarser PLD discretisations, each about ten times
+cheaper than the next and within a few percent of it: the accountant that decides (PLD at
+the accountant's own 1e-4) is asked at about two sigmas. No epsilon is computed twice.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import numbers
 import dp_accounting
 
 from .accounting import (DEFAULT_METHOD, _check_count, _check_delta, _check_method, _check_sample_rate,
-                         _new_accountant, _step_event)
+                         _PLDSteps, _RdpSteps)
 
 __all__ = ["calibrate_noise"]
 
@@ -28,63 +31,81 @@ SIGMA_MAX = 1e4
 # log(sigma) (see calibrate_noise): the returned sigma is within a factor
 # exp(1e-3), i.e. 0.1 %, above the smallest sigma that meets the target.
 _CALIBRATION_LOG_TOL = 1e-3
-# Bracketing factor for PLD calibration, which starts from the RDP answer
-# (PLD needs a little less noise than RDP, typically 5-20 % less).
-_PLD_BRACKET_FACTOR = 1.25
+# The value discretisations the PLD search passes through, coarse to fine; the last is the
+# accountant's own, so the answer is checked by the accountant that reports epsilon.
+_PLD_INTERVALS = (1e-2, 1e-3, _PLDSteps.INTERVAL)
 
 
 class _UnreachableTarget(ValueError):
     """calibrate_noise: no sigma <= SIGMA_MAX meets the target (message says what to change)."""
 
 
-class _RememberingAccountant:
-    """What calibrate_noise hands dp_accounting.calibrate_dp_mechanism as a fresh accountant.
+class _Stage:
+    """Epsilon of ``steps`` Poisson-sampled Gaussian steps as a function of x = log(sigma),
+    under one accountant (RDP, or PLD at one discretisation), each sigma evaluated once.
 
-    It behaves as a fresh dp_accounting accountant of ``method`` (empty
-    ledger, ``compose(event)``, ``get_epsilon(delta)``), and the epsilon is
-    that accountant's, but an event already evaluated in this calibration (by
-    the bracketing, or by calibrate_dp_mechanism itself, which re-evaluates
-    the bracket ends and its answer) is looked up instead of recomputed,
-    which saves seconds per repeat for PLD.
+    ``new_accountant`` is what calibrate_dp_mechanism wants: a fresh accountant whose
+    ``compose(event)``/``get_epsilon(delta)`` answer from the same memo.
     """
 
-    def __init__(self, method: str, memo: dict) -> None:
-        self._method, self._memo, self._event = method, memo, None
+    def __init__(self, interval: float | None, sample_rate: float, steps: int, delta: float) -> None:
+        self.interval, self._q, self._steps, self._delta = interval, sample_rate, steps, delta
+        self._memo: dict[float, float] = {}
+
+    def event(self, x: float) -> dp_accounting.DpEvent:
+        step = dp_accounting.PoissonSampledDpEvent(self._q, dp_accounting.GaussianDpEvent(math.exp(x)))
+        return dp_accounting.SelfComposedDpEvent(step, self._steps)
+
+    def at_sigma(self, sigma: float) -> float:
+        if sigma not in self._memo:
+            steps = _RdpSteps() if self.interval is None else _PLDSteps(self.interval)
+            steps.compose(sigma, self._q, self._steps)
+            self._memo[sigma] = float(steps.get_epsilon(self._delta))
+        return self._memo[sigma]
+
+    def eps(self, x: float) -> float:
+        return self.at_sigma(math.exp(x))
+
+    def new_accountant(self) -> "_OneEvent":
+        return _OneEvent(self)
+
+
+class _OneEvent:
+    """A fresh accountant for calibrate_dp_mechanism: one ``event`` of ``_Stage`` composed once."""
+
+    def __init__(self, stage: _Stage) -> None:
+        self._stage, self._event = stage, None
 
     @property
     def ledger(self) -> dp_accounting.DpEvent:
         return dp_accounting.NoOpDpEvent() if self._event is None else self._event
 
-    def compose(self, event: dp_accounting.DpEvent, count: int = 1) -> "_RememberingAccountant":
+    def compose(self, event: dp_accounting.DpEvent, count: int = 1) -> "_OneEvent":
         if self._event is not None or count != 1:
             raise NotImplementedError("calibrate_noise composes one event into a fresh accountant")
         self._event = event
         return self
 
     def get_epsilon(self, target_delta: float) -> float:
-        key = (self._event, target_delta)
-        if key not in self._memo:
-            accountant = _new_accountant(self._method).compose(self._event)
-            self._memo[key] = float(accountant.get_epsilon(target_delta))
-        return self._memo[key]
+        return self._stage.at_sigma(self._event.event.event.noise_multiplier)
 
 
 def _bracket(eps, target_epsilon: float, x0: float, step: float) -> tuple[float, float] | None:
-    """[lo, hi] in log(sigma) with eps(lo) > target >= eps(hi), walking from x0 in ``step``s;
-    None when even SIGMA_MIN meets the target. Raises ``_UnreachableTarget(eps, sigma)``
-    when SIGMA_MAX does not."""
+    """[lo, hi] in log(sigma) with eps(lo) > target >= eps(hi), walking from x0 in steps that
+    double at each move; None when even SIGMA_MIN meets the target. Raises
+    ``_UnreachableTarget(eps, sigma)`` when SIGMA_MAX does not."""
     x_min, x_max = math.log(SIGMA_MIN), math.log(SIGMA_MAX)
     hi, lo = min(max(x0, x_min), x_max), None
     while (e := eps(hi)) > target_epsilon:
         if hi >= x_max:
             raise _UnreachableTarget(e, math.exp(hi))
-        lo, hi = hi, min(hi + step, x_max)
+        lo, hi, step = hi, min(hi + step, x_max), 2 * step
     if lo is None:  # feasible at the start: walk down until it is not
         lo = hi
         while eps(lo) <= target_epsilon:
             if lo <= x_min:
                 return None
-            hi, lo = lo, max(lo - step, x_min)
+            hi, lo, step = lo, max(lo - step, x_min), 2 * step
     return lo, hi
 
 
@@ -139,10 +160,14 @@ def calibrate_noise(
     sigma = 30.
 
     calibrate_dp_mechanism needs a bracket, which this function finds by
-    walking in factors of 2 from sigma = 1 (RDP) or of 1.25 from the RDP
-    answer (PLD: it is tighter, so it needs no more noise, and its
-    evaluations cost up to seconds, so the walk starts close). An epsilon
-    already computed during one calibration is never computed again.
+    walking from a guess in steps that double at each move: from sigma = 1
+    for RDP. PLD first takes RDP's answer (PLD is tighter, so it needs 5-20 %
+    less noise), then refines it with PLD at value discretisations 1e-2 and
+    1e-3 and finally the accountant's 1e-4, each stage walking from the last
+    answer in steps of ``tol``: when the coarser answer is within ``tol``
+    (the usual case), the final accountant is asked twice. Every answer comes
+    from the last stage alone, so the contract above is that accountant's.
+    An epsilon already computed in one calibration is never computed again.
 
     If even ``SIGMA_MIN`` meets the target (only for huge targets),
     ``SIGMA_MIN`` is returned, with epsilon below the target. If
@@ -151,44 +176,28 @@ def calibrate_noise(
     """
     _check_calibration(target_epsilon, delta, sample_rate, steps, method)
     target_epsilon, delta, sample_rate, steps = float(target_epsilon), float(delta), float(sample_rate), int(steps)
-    memo: dict = {}
-
-    def new_accountant() -> _RememberingAccountant:
-        return _RememberingAccountant(method, memo)
-
-    def event(x: float) -> dp_accounting.DpEvent:
-        return dp_accounting.SelfComposedDpEvent(_step_event(math.exp(x), sample_rate), steps)
-
-    def eps(x: float) -> float:  # epsilon at sigma = exp(x), exactly as the search sees it
-        return new_accountant().compose(event(x)).get_epsilon(delta)
-
-    if method == "rdp":
-        x0, step = 0.0, math.log(2.0)
-    else:
+    intervals = [None, *(_PLD_INTERVALS if method == "pld" else ())]  # None: RDP
+    x, step = 0.0, math.log(2.0)
+    for i, interval in enumerate(intervals):
+        stage = _Stage(interval, sample_rate, steps, delta)
         try:
-            x0 = math.log(calibrate_noise(target_epsilon, delta, sample_rate, steps, "rdp"))
-        except _UnreachableTarget:  # RDP cannot reach it; PLD, being tighter, might
-            x0 = math.log(SIGMA_MAX)
-        step = math.log(_PLD_BRACKET_FACTOR)
-
-    try:
-        bracket = _bracket(eps, target_epsilon, x0, step)
-    except _UnreachableTarget as unreachable:
-        e, sigma = unreachable.args
-        raise _UnreachableTarget(
-            f"target_epsilon={target_epsilon} at delta={delta} is unreachable with noise_multiplier <= "
-            f"{SIGMA_MAX:g} for sample_rate={sample_rate} and steps={steps} ({method}: eps={e:.4g} at "
-            f"sigma={sigma:g}); use fewer steps, a smaller sample_rate or a larger target_epsilon") from None
-    if bracket is None:
-        return SIGMA_MIN
-    lo, hi = bracket
-    x = dp_accounting.calibrate_dp_mechanism(
-        new_accountant,
-        event,
-        target_epsilon,
-        delta,
-        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
-        discrete=False,
-        tol=_CALIBRATION_LOG_TOL,
-    )
-    return math.exp(x)
+            bracket = _bracket(stage.eps, target_epsilon, x, step)
+        except _UnreachableTarget as unreachable:
+            if i < len(intervals) - 1:  # a tighter accountant may still reach it
+                x, step = math.log(SIGMA_MAX), _CALIBRATION_LOG_TOL
+                continue
+            e, sigma = unreachable.args
+            raise _UnreachableTarget(
+                f"target_epsilon={target_epsilon} at delta={delta} is unreachable with noise_multiplier <= "
+                f"{SIGMA_MAX:g} for sample_rate={sample_rate} and steps={steps} ({method}: eps={e:.4g} at "
+                f"sigma={sigma:g}); use fewer steps, a smaller sample_rate or a larger target_epsilon") from None
+        if bracket is None:  # even SIGMA_MIN meets it here
+            x = math.log(SIGMA_MIN)
+        else:
+            lo, hi = bracket
+            x = hi if hi - lo <= _CALIBRATION_LOG_TOL else dp_accounting.calibrate_dp_mechanism(
+                stage.new_accountant, stage.event, target_epsilon, delta,
+                bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), discrete=False,
+                tol=_CALIBRATION_LOG_TOL)
+        step = _CALIBRATION_LOG_TOL
+    return SIGMA_MIN if bracket is None else math.exp(x)

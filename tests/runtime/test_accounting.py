@@ -136,6 +136,8 @@ def test_pld_builds_each_distinct_step_once(monkeypatch):
         return original(**kwargs)
 
     monkeypatch.setattr(accounting._pld_lib, "from_gaussian_mechanism", counting)
+    accounting._gaussian_step_pld.cache_clear()
+    accounting._gaussian_steps_pld.cache_clear()
     acc = PrivacyAccountant("pld")
     for sigma in (1.0, 1.0, 2.0, 1.0, 1.0):
         acc.step(sigma, 0.05)
@@ -357,6 +359,31 @@ def test_calibrate_noise_pld(target, q, steps):
     sigma_pld = _check_calibrated(target, q, steps, "pld")
     # PLD is tighter, so it needs no more noise than RDP.
     assert sigma_pld <= calibrate_noise(target, DELTA, q, steps, "rdp")
+
+
+def test_pld_calibration_asks_the_reporting_accountant_at_few_sigmas(monkeypatch):
+    """Coarser PLDs narrow the search, so PLD at the accountant's own discretisation (seconds per
+    evaluation at small sigma) is asked only near the answer; and the accountant that reports
+    epsilon afterwards reuses the answer's one-step PLD instead of building it again."""
+    asked: dict = {}
+    at_sigma = calibration._Stage.at_sigma
+
+    def counting(stage, sigma):
+        asked.setdefault(stage.interval, set()).add(sigma)
+        return at_sigma(stage, sigma)
+
+    monkeypatch.setattr(calibration._Stage, "at_sigma", counting)
+    sigma = _check_calibrated(8.0, 0.1, 12, "pld")  # the CLI's default target, a short run
+    assert list(asked) == [None, *calibration._PLD_INTERVALS]  # RDP first, then PLD coarse to fine
+    assert len(asked[accounting._PLDSteps.INTERVAL]) <= 3
+    built = []
+    original = accounting._pld_lib.from_gaussian_mechanism
+    monkeypatch.setattr(accounting._pld_lib, "from_gaussian_mechanism",
+                        lambda **kw: built.append(kw) or original(**kw))
+    acc = PrivacyAccountant("pld")
+    acc.step(sigma, 0.1)
+    acc.epsilon(DELTA)
+    assert built == []
 
 
 def test_calibrate_noise_floor_for_huge_target():
