@@ -1,5 +1,6 @@
-"""The docs site (mkdocs.yml, docs/) builds strictly, its generated references are complete, and
-every Python example in README.md and docs/ runs as written.
+"""The docs site (mkdocs.yml, docs/) builds strictly, its generated references are complete,
+every Python example in README.md and docs/ runs as written, and no paragraph, list item or table
+row is on two pages.
 
 An example that cannot run here (a torchrun fragment, a recipe that needs your files) is marked
 with a visible ``<!-- not-run: reason -->`` on the line right before its fence."""
@@ -102,3 +103,74 @@ def test_examples_are_found_and_not_run_marks_say_why():
         for line in path.read_text().splitlines():
             if "not-run" in line and line.lstrip().startswith("<!--"):
                 assert NOT_RUN.match(line), f"{path}: a not-run mark needs a reason: {line!r}"
+
+
+# Each fact lives on one page: a paragraph, list item or table row long enough to carry a fact
+# (MIN_COPY characters) may not appear on two pages; the other page links to it instead.
+MIN_COPY = 80
+GENERATED = ("<!-- api-reference -->", "<!-- cli-reference -->")  # filled in by docs/hooks/generate.py
+LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
+LIST_ITEM = re.compile(r"([-*+]|\d+\.)\s")
+TABLE_RULE = re.compile(r"[|:\-\s]+")
+
+
+def _blocks(text: str) -> set[str]:
+    """The paragraphs, list items and table rows of a Markdown page, outside code fences, with
+    whitespace collapsed and links reduced to their text (a copy with other link targets is
+    still a copy)."""
+    out, current, fenced = set(), [], False
+
+    def flush():
+        if current:
+            out.add(" ".join(LINK.sub(r"\1", " ".join(current)).split()))
+            current.clear()
+
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("```"):
+            flush()
+            fenced = not fenced
+        elif fenced:
+            continue
+        elif not s or s.startswith(("#", "<!--")):
+            flush()
+        elif s.startswith("|"):
+            flush()
+            if not TABLE_RULE.fullmatch(s):
+                out.add(" ".join(LINK.sub(r"\1", s).split()))
+        else:
+            if LIST_ITEM.match(s):
+                flush()
+            current.append(s)
+    flush()
+    return out
+
+
+def _copies(pages: dict[str, str]) -> list[str]:
+    """Blocks of at least MIN_COPY characters found on two or more of ``pages`` (name -> text)."""
+    where: dict[str, list[str]] = {}
+    for name, text in pages.items():
+        for block in _blocks(text):
+            if len(block) >= MIN_COPY:
+                where.setdefault(block, []).append(name)
+    return [f"{' and '.join(names)}: {block[:120]}" for block, names in where.items() if len(names) > 1]
+
+
+def test_the_copy_check_sees_a_copied_paragraph_list_item_and_table_row():
+    para = "A paragraph long enough to carry a fact, wrapped over\ntwo lines, with a [link](a.md) in it."
+    item = "- A list item long enough to carry a fact of its own, which another page repeats."
+    row = "| a table row | long enough | to carry a measured number, 12.5 ms | and its unit |"
+    one = f"# One\n\n{para}\n\n{item}\n\n| h | h | h | h |\n|---|---|---|---|\n{row}\n\n```\n{para}\n```\n"
+    other = f"# Other\n\n{' '.join(para.split()).replace('(a.md)', '(../b.md)')}\n\n{item}\n\n{row}\n"
+    assert len(_copies({"one": one, "other": other})) == 3
+    assert _copies({"one": one, "other": "# Other\n\nSee [one](one.md).\n"}) == []
+
+
+def test_no_paragraph_list_item_or_table_row_is_on_two_pages():
+    pages = {}
+    for path in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        text = path.read_text()
+        if not any(marker in text for marker in GENERATED):
+            pages[str(path.relative_to(ROOT))] = text
+    copies = _copies(pages)
+    assert not copies, "keep each on one page and link to it from the others:\n" + "\n".join(copies)
