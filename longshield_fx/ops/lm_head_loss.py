@@ -4,7 +4,8 @@
 ``logits = h @ w.T`` -> log-softmax -> NLL and their backward. It never holds more than one
 chunk's logits: for each chunk of positions it forms the logits, the token losses, the logits'
 gradient ``g * (softmax - onehot(y))`` and from it the hidden states' gradient and the head's
-per-sample gradient ``sum_t dz_bt ⊗ h_bt`` (a (B, V, d) accumulator), then drops the chunk.
+per-sample gradient ``sum_t dz_bt ⊗ h_bt`` (a (B, V, d) accumulator; with packed documents one
+per unit slot), then drops the chunk.
 Forward and backward are one op because the joint graph already holds the loss cotangent, so
 no logits are kept or recomputed between them.
 
@@ -23,23 +24,29 @@ import torch
 from torch import Tensor
 
 
-def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype, weight_grad: bool) -> int:
+def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype, weight_grad: bool,
+                    slots: int = 0) -> int:
     """Bytes the op holds beyond its inputs and outputs while a chunk is in flight (an upper
     bound): the chunk's logits in the softmax's dtype (``logits_dtype``, at least fp32; softmax
     and gradient are formed in that buffer), their matmul output in h's dtype when it differs
     (cast from, and back to), and for low-precision h the fp32 copy of the gradient for the
-    accumulator; plus that fp32 (B, V, d) accumulator when w is not fp32."""
-    B, T, _ = h.shape
+    accumulator; plus that fp32 (B or ``slots``, V, d) accumulator when w is not fp32; per unit
+    slot, the chunk's rows sorted by unit (a copy of its gradient and hidden states)."""
+    B, T, d_h = h.shape
     V, d = w.shape
     work = torch.promote_types(logits_dtype, torch.float32)
     per_logit = (work.itemsize + (h.element_size() if h.dtype != work else 0)
                  + (4 if h.dtype != torch.float32 else 0))
-    return B * min(chunk, T) * V * per_logit + (B * V * d * 4 if weight_grad and w.dtype != torch.float32 else 0)
+    rows = B * min(chunk, T)
+    sorted_copy = rows * (V + d_h) * 4 if slots else 0
+    samples = slots or B
+    return rows * V * per_logit + sorted_copy + (samples * V * d * 4 if weight_grad and w.dtype != torch.float32 else 0)
 
 
 @torch.library.custom_op("longshield::lm_head_loss", mutates_args=())
 def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int, ignore_index: int,
-                 logits_dtype: torch.dtype, weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 logits_dtype: torch.dtype, weight_grad: bool, units: Tensor | None = None,
+                 slots: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Token losses, hidden-state gradient and per-sample head gradient of a causal-LM head.
 
     h: (B, T, d) hidden states; w: (V, d) head weight; labels: (B, T) int64 target of each
@@ -47,12 +54,18 @@ def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int,
     Returns loss (B, T) in ``logits_dtype`` (0 where ignored), grad_h (B, T, d) in h's dtype and
     the per-sample gradient of ``w``, (B, V, d) in w's dtype ((B, 0, d) without ``weight_grad``:
     a frozen head). ``chunk``: positions per chunk.
+
+    Packed documents: ``units`` (B, T) int64 names each position's unit slot, and the
+    per-sample gradient is per slot, (``slots``, V, d): each slot's positions summed, one
+    matmul per slot present in a chunk over its rows (the FLOPs of the per-row form, never
+    ``slots`` times them).
     """
     B, T, d = h.shape
     V = w.shape[0]
     loss = torch.zeros(B, T, dtype=logits_dtype, device=h.device)
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format)
-    per_sample = torch.zeros(B, V if weight_grad else 0, d, dtype=torch.float32, device=h.device)
+    per_sample = torch.zeros(slots if units is not None else B, V if weight_grad else 0, d, dtype=torch.float32,
+                             device=h.device)
     wt = w.t()
     work = torch.promote_types(logits_dtype, torch.float32)  # log_softmax accumulates in this
     for start in range(0, T, chunk):
@@ -73,13 +86,28 @@ def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int,
         dz = z.to(h.dtype)
         del z  # a cast made a copy: the softmax's buffer goes before the fp32 one comes
         grad_h[:, start:stop] = torch.matmul(dz, w)
-        if weight_grad:
+        if weight_grad and units is None:
             per_sample.baddbmm_(dz.transpose(1, 2).float(), hc.float())
+        elif weight_grad:
+            _add_per_unit(per_sample, dz, hc, units[:, start:stop])
     return loss, grad_h, per_sample.to(w.dtype)
 
 
+def _add_per_unit(per_unit: Tensor, dz: Tensor, hc: Tensor, units: Tensor) -> None:
+    """``per_unit[s] += Σ_{positions of slot s} dz_t ⊗ h_t`` for the slots present in the chunk."""
+    order = units.reshape(-1).argsort(stable=True)
+    counts = torch.bincount(units.reshape(-1), minlength=per_unit.shape[0]).tolist()
+    dz_sorted = dz.reshape(-1, dz.shape[-1]).index_select(0, order).float()
+    h_sorted = hc.reshape(-1, hc.shape[-1]).index_select(0, order).float()
+    start = 0
+    for slot, n in enumerate(counts):
+        if n:
+            per_unit[slot].addmm_(dz_sorted[start:start + n].t(), h_sorted[start:start + n])
+        start += n
+
+
 @lm_head_loss.register_fake
-def _(h, w, labels, grad, chunk, ignore_index, logits_dtype, weight_grad):
+def _(h, w, labels, grad, chunk, ignore_index, logits_dtype, weight_grad, units=None, slots=0):
     B, T, d = h.shape
     return (h.new_empty(B, T, dtype=logits_dtype), torch.empty_like(h, memory_format=torch.contiguous_format),
-            w.new_empty(B, w.shape[0] if weight_grad else 0, d))
+            w.new_empty(slots if units is not None else B, w.shape[0] if weight_grad else 0, d))

@@ -37,16 +37,16 @@ __all__ = ["Lowered", "Pass", "PassContext", "PassRecord", "format_log", "lower"
 
 
 def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None, fsdp: bool = False,
-             packed: bool = False, disable: Iterable[str] = ()) -> list[Pass]:
+             disable: Iterable[str] = ()) -> list[Pass]:
     """The ordered passes for a configuration.
 
     ``training``: the clipped-sum graph (True) or the per-sample-gradient graph (False,
     ``engine.per_sample_grads``; its gradients stay full under cp). ``cp``: the
     sequence-parallel degree (cp x hp ranks share a sequence). ``checkpointing``: the
     activation-checkpointing policy. ``fsdp``: parameters and clipped sums are sharded
-    (``compile(..., fsdp=...)``). ``packed``: rows hold packed documents, the samples are unit
-    slots (``compile(..., packed_units=...)``); the LM head's loss is not chunked there. ``disable``: pass names to leave out, for experiments
-    and benchmarks; a name not in the list is an error.
+    (``compile(..., fsdp=...)``). Packed documents (``compile(..., packed_units=...)``) run the
+    same passes: each one that forms per-sample values reads the unit slots. ``disable``: pass
+    names to leave out, for experiments and benchmarks; a name not in the list is an error.
 
     >>> [p.__name__ for p in pipeline(training=True, cp=2, checkpointing="block")]
     ['batch_dims', 'context_parallel', 'chunked_loss', 'per_sample', 'shard_grads', 'clip', 'overlap', 'checkpoint']
@@ -54,14 +54,12 @@ def pipeline(*, training: bool, cp: int = 1, checkpointing: str | None = None, f
     ['clip', 'scatter_clipped_sums', 'gather_params', 'overlap']
     >>> [p.__name__ for p in pipeline(training=True)]
     ['batch_dims', 'chunked_loss', 'per_sample', 'ghost_norm', 'clip']
-    >>> [p.__name__ for p in pipeline(training=True, packed=True)]
-    ['batch_dims', 'per_sample', 'ghost_norm', 'clip']
     """
     cp_only = cp > 1
     steps = [
         (batch_dims, True),
         (context_parallel, cp_only),
-        (chunked_loss, not packed),
+        (chunked_loss, True),
         (per_sample, True),
         (shard_grads, training and cp_only),
         (ghost_norm, training and not cp_only),

@@ -35,6 +35,7 @@ from ..ops import lm_head_loss as _op
 from ._context import PassContext
 from ._graph import GraphBuilder, norm_dim, permutation, val
 from .batch_dims import BatchDim, batch_dim
+from .per_sample import Packing
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -52,7 +53,7 @@ def chunked_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for log_softmax in [n for n in graph.nodes if n.target == aten._log_softmax.default]:
         match = _match(log_softmax, ctx.batch_size)
         if match is not None:
-            _rewrite(graph, ctx, match, chunk_rows)
+            _rewrite(gm, ctx, match, chunk_rows)
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -206,7 +207,8 @@ def _base(x: fx.Node) -> fx.Node:
     return x
 
 
-def _rewrite(graph: fx.Graph, ctx: PassContext, m: _Match, chunk_rows: int) -> None:
+def _rewrite(gm: fx.GraphModule, ctx: PassContext, m: _Match, chunk_rows: int) -> None:
+    graph = gm.graph
     build = GraphBuilder(graph, ctx.captured.fake_mode)
     forward = []
 
@@ -233,17 +235,21 @@ def _rewrite(graph: fx.Graph, ctx: PassContext, m: _Match, chunk_rows: int) -> N
         grads = b(aten.index_put.default,
                   b(aten.zeros.default, [N], dtype=val(grad_output).dtype, device=val(grad_output).device),
                   [flat], b(aten.reshape.default, grad_output, [-1]))
+        # Packed documents: the head's per-sample gradient is per unit slot, summed in the op.
+        per_unit = (b(aten.view.default, Packing.of(gm, ctx, build).units, [B, k]), ctx.packed_units + 1) \
+            if ctx.packed_units else ()
         op = b(torch.ops.longshield.lm_head_loss.default, b(aten.view.default, h2d, [B, k, d]), b(aten.t.default, wt),
                b(aten.view.default, labels, [B, k]), b(aten.view.default, grads, [B, k]),
-               chunk, ignore_index, logits_dtype, bool(m.grad_w))
+               chunk, ignore_index, logits_dtype, bool(m.grad_w), *per_unit)
         loss, grad_h, grad_w = (b(operator.getitem, op, i) for i in range(3))
         token_loss = b(aten.index.Tensor, b(aten.view.default, loss, [N]), [position])
     for node in (grad_h, grad_w):  # gradients, not activations
         node.meta["partitioner_tag"] = "is_backward"
     op.meta["workspace_bytes"] = _op.workspace_bytes(*(val(a) for a in op.args[:2]), chunk, logits_dtype,
-                                                      bool(m.grad_w))
+                                                      bool(m.grad_w), ctx.packed_units + 1 if ctx.packed_units else 0)
     loss_out = next(u for u in m.nll.users if u.args[1] == 0)
     _tag_batch(forward, B)
+    grad_w.meta["per_unit"] = bool(ctx.packed_units)  # rows are unit slots: per_sample takes them as they are
     token_loss.meta["batch_dim"] = batch_dim(loss_out)
     loss_out.replace_all_uses_with(token_loss)
     with graph.inserting_before(m.grad_h):

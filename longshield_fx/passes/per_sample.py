@@ -356,6 +356,10 @@ class Packing:
 
     def unit_sum(self, param: str, node: fx.Node, dims, out_shape) -> fx.Node:
         """Per-unit ``sum(node, dims)`` where dims include the token dims: (U+1, *out_shape)."""
+        if node.meta.get("per_unit"):  # one row per unit slot already (chunked_loss's head gradient)
+            if [d % val(node).dim() for d in dims] != [0]:
+                raise self.unsupported(param, node)
+            return self.call(aten.view.default, node, [self.U + 1, *out_shape])
         tokens, lead = self.tokens(param, node)
         if not set(range(lead)) <= {d % val(node).dim() for d in dims}:
             raise self.unsupported(param, node)

@@ -80,7 +80,7 @@ class Engine:
         # only in "train"), and a name that is in neither is an error (raised here).
         cp = self.parallel.sp  # the sequence-parallel degree decides the passes
         sharded = self.sharding is not None
-        layout = dict(cp=cp, checkpointing=checkpoint, fsdp=sharded, packed=bool(packed_units))
+        layout = dict(cp=cp, checkpointing=checkpoint, fsdp=sharded)
         in_per_sample = {p.__name__ for p in pipeline(training=False, **layout)}
         if "overlap" in {p.__name__ for p in pipeline(training=True, **layout)} and _threaded_gloo(mesh):
             # Collectives in flight together race in torch's two-thread gloo groups (see

@@ -126,3 +126,31 @@ def test_a_frozen_head_gets_no_per_sample_gradient():
     assert_all_close(chunked.per_sample_grads(*data), plain.per_sample_grads(*data))
     op = next(n for n in chunked.lower(*data, graph="per_sample").gm.graph.nodes if n.target is LM_HEAD_LOSS)
     assert tuple(op.meta["val"][2].shape) == (3, 0, 64)
+
+
+@pytest.mark.parametrize("kind", ["ref", "gpt2"])
+def test_packed_documents_head_gradients_are_per_unit_and_equal_each_unit_alone(kind):
+    """Packed rows: the op sums the head's gradient per unit slot over its positions. Chunks of
+    3 positions per row cut through units and hold several; units span rows. Per-unit gradients
+    equal the plain graph's and each unit run alone, and the graph has no log-softmax of whole
+    rows left."""
+    from longshield_fx.packing import pack_documents
+    from oracles import PACKED_ROWS, PACKED_T, PACKED_U, packed_alone, packed_model, packed_units
+
+    loss, units = packed_model(kind), packed_units()
+    config = lf.DPConfig(0.5, 0.0, loss_chunk=3 * PACKED_ROWS)
+    chunked = lf.compile(loss, config=config, packed_units=PACKED_U)
+    plain = lf.compile(loss, config=config, packed_units=PACKED_U, disable_passes=PLAIN)
+    batch = pack_documents(units, seq_len=PACKED_T, rows=PACKED_ROWS, unit_slots=PACKED_U)[0][0]
+    ours = chunked.per_sample_grads(*batch.tensors())
+    assert_all_close(ours, plain.per_sample_grads(*batch.tensors()))
+    for slot, unit in enumerate(batch.members):
+        alone = packed_alone(loss.lm, units[unit])
+        for name in alone:
+            torch.testing.assert_close(ours[name][slot], alone[name], rtol=1e-5, atol=1e-6, msg=name)
+    lowered = chunked.lower(*batch.tensors(), graph="per_sample")
+    assert any("lm_head_loss" in rule for rule in lowered.rules.values())
+    op = next(n for n in lowered.gm.graph.nodes if n.target is LM_HEAD_LOSS)
+    V = loss.lm.get_output_embeddings().weight.shape[0] if kind != "ref" else loss.lm.cfg.vocab_size
+    assert tuple(op.meta["val"][2].shape)[:2] == (PACKED_U + 1, V)
+    assert not any(n.target is torch.ops.aten._log_softmax.default for n in lowered.gm.graph.nodes)
