@@ -21,7 +21,8 @@ each ``--ring-cp`` degree, counted from the batches' document ids (``pairs_skipp
     python benchmarks/packed_documents.py [--seq-len 256] [--units-per-batch 4] [--max-rows 4]
         [--expected-units 32] [--units 2000] [--repeats 5] [--model tiny] [--data DIR] [--ring-cp 2,4,8]
 
-Prints a table (markdown) and writes it to benchmarks/results/packed_documents.md.
+Prints a table (markdown) and writes it to benchmarks/results/packed_documents.md, in the section
+headed by its command line (other commands' sections are kept).
 """
 from __future__ import annotations
 
@@ -182,9 +183,25 @@ def main() -> None:
                   "`ring_attention.pairs_skipped` from each batch's document ids, as the ranks' `last_block_counts` do)."]
     table = "\n".join(lines)
     print(table)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "packed_documents.md"), "w") as f:
-        f.write(f"<!-- python {' '.join(sys.argv)} -->\n{table}\n")
+    write_section(os.path.join(RESULTS, "packed_documents.md"), f"<!-- python {' '.join(sys.argv)} -->", table)
+
+
+def write_section(path: str, header: str, table: str) -> None:
+    """Put ``table`` under ``header`` in the results file: a run replaces the section of the same
+    command and leaves the other commands' sections as they are."""
+    sections, current = [], None
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f.read().splitlines():
+                if line.startswith("<!-- python "):
+                    current = [line]
+                    sections.append(current)
+                elif current is not None:
+                    current.append(line)
+    kept = ["\n".join(lines).strip() for lines in sections if lines[0] != header]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n\n".join([*kept, f"{header}\n{table}"]) + "\n")
 
 
 if __name__ == "__main__":

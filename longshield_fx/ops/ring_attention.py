@@ -267,16 +267,20 @@ def _by_document_runs(q: Tensor, segments: Tensor | None) -> bool:
     return q.device.type == "cpu" or (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16))
 
 
-def _document_runs(segments: Tensor) -> tuple[Tensor, int]:
-    """(cu_seqlens int32, longest run) of the (B, L) ids read row after row as one sequence of
-    runs: a run is a row's contiguous piece of one document, so a document continued in the next
-    row is a new run there, as its mask says."""
+def _document_runs(segments: Tensor) -> Tensor:
+    """cu_seqlens (int32) of the (B, L) ids read row after row as one sequence of runs: a run is
+    a row's contiguous piece of one document, so a document continued in the next row is a new
+    run there, as its mask says."""
     B, L = segments.shape
     starts = torch.ones_like(segments, dtype=torch.bool)
     starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
     first = starts.flatten().nonzero().squeeze(1)
-    cu = torch.cat([first, first.new_tensor([B * L])]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
+    return torch.cat([first, first.new_tensor([B * L])]).to(torch.int32)
+
+
+def _longest(cu: Tensor) -> int:
+    """The longest run of ``cu``, which the varlen flash kernels take as a Python int."""
+    return int((cu[1:] - cu[:-1]).max())
 
 
 def _tokens_major(x: Tensor) -> Tensor:
@@ -292,7 +296,7 @@ def _run_buckets(segments: Tensor):
     of two up to 64, then the next multiple of 64, so padding stays under half of a short run and
     under 64 tokens of a long one."""
     L = segments.shape[1]
-    cu, _ = _document_runs(segments)
+    cu = _document_runs(segments)
     starts, lengths = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
     padded = torch.where(lengths <= 64, 2 ** torch.log2(lengths.double()).ceil().long(), (lengths + 63) // 64 * 64)
     group = torch.where(lengths == L, 0, padded)
@@ -364,7 +368,8 @@ def _runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -
     if q.device.type == "cpu":
         return _cpu_runs_fwd(q, k, v, scale, segments)
     B, H, L, D = q.shape
-    cu, longest = _document_runs(segments)
+    cu = _document_runs(segments)
+    longest = _longest(cu)
     out, lse, *_ = aten._flash_attention_forward(
         _tokens_major(q), _tokens_major(k), _tokens_major(v), cu, cu, longest, longest, 0.0, True, False,
         scale=scale)
@@ -376,7 +381,8 @@ def _runs_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     if q.device.type == "cpu":
         return _cpu_runs_bwd(go, q, k, v, out, lse, scale, segments)
     B, H, L, D = q.shape
-    cu, longest = _document_runs(segments)
+    cu = _document_runs(segments)
+    longest = _longest(cu)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
     unused = torch.empty(0, device=q.device)
     grads = aten._flash_attention_backward(

@@ -81,15 +81,16 @@ class Engine:
         cp = self.parallel.sp  # the sequence-parallel degree decides the passes
         sharded = self.sharding is not None
         layout = dict(cp=cp, checkpointing=checkpoint, fsdp=sharded)
-        in_per_sample = {p.__name__ for p in pipeline(training=False, **layout)}
-        if "overlap" in {p.__name__ for p in pipeline(training=True, **layout)} and _threaded_gloo(mesh):
+        train = pipeline(training=True, **layout, disable=disable_passes)
+        if "overlap" in {p.__name__ for p in train} and _threaded_gloo(mesh):
             # Collectives in flight together race in torch's two-thread gloo groups (see
             # _torch.serial_gloo); without overlap each is waited before the next is issued.
             log.info("compile: the overlap pass is left out: the mesh's gloo groups run collectives on "
                      "several worker threads (torch's race in ProcessGroupGloo::runLoop)")
-            disable_passes = {*disable_passes, "overlap"}
+            train = [p for p in train if p.__name__ != "overlap"]
+        in_per_sample = {p.__name__ for p in pipeline(training=False, **layout)}
         self.pipelines = {
-            "train": pipeline(training=True, **layout, disable=disable_passes),
+            "train": train,
             "per_sample": pipeline(training=False, **layout, disable=set(disable_passes) & in_per_sample)}
         if sharded:  # last of the checks: from here on the model's parameters are DTensor shards
             self.sharding.shard_model(model)

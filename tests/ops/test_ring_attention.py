@@ -145,9 +145,9 @@ def test_document_runs_cut_rows_where_the_attention_mask_does():
     segments = packed_segments(B, T, seed=2)
     segments[0, :3] = torch.tensor([-1, -2, -3])
     segments[1, :5] = segments[0, -1]  # the same id at the next row's start: a run of its own
-    cu, longest = ra._document_runs(segments)
+    cu = ra._document_runs(segments)
     lengths = (cu[1:] - cu[:-1]).tolist()
-    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == B * T and longest == max(lengths)
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == B * T and ra._longest(cu) == max(lengths)
     assert T in cu.tolist()  # every row starts a run
     flat = [ra._tokens_major(ra._expand_heads(x, HQ // x.shape[1])) for x in (q, k, v)]
     runs = [torch.nn.functional.scaled_dot_product_attention(
