@@ -60,6 +60,17 @@ def _kv_shared(config, layers: int) -> int:
     if not shared:
         return 0
     return layers if shared == getattr(config, "num_hidden_layers", None) else layers - 1
+
+
+# Dots3-note: its validator wants as many K/V heads as query heads (multi-head latent attention). Its
+# first layers are all DSA ("indexed") attention, so two layers with every kind are an indexed and a sliding
+# one, whose own MLA widths (``swa_*``: 64 heads by default) are shrunk too. Its RoPE spans head_dim x
+# qk_rope_head_dim / head_dim, the ratio taken when the config is built; tiny_config's MLA rule then sets
+# head_dim to qk_rope_head_dim (4), so it is built with that head_dim (from 8, RoPE would span 2 of the 4
+# rope dims). A sliding layer's head_dim is its nope + rope dims (its validator): 8.
+_DOTS3 = dict(num_key_value_heads=4, head_dim=4, layer_types=["indexed_attention", "sliding_attention"],
+              swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=16,
+              swa_head_dim=8, swa_qk_nope_head_dim=4, swa_v_head_dim=8)
 # What the generic shrinking cannot know about one architecture, each with why.
 OVERRIDES = {
     "deepseek_v2": dict(num_experts_per_tok=2),  # None by default (so not "present"); routing needs it
@@ -86,7 +97,20 @@ OVERRIDES = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),  # Mamba, then attention (+ its MoE: odd layers)
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "dots3_note": _DOTS3,
+    "dots3_note_text": _DOTS3,
+    # Its rows are (sample, codebook) pairs, one sample's codebooks in consecutive rows: one codebook keeps a
+    # row a sample (the oracle runs each row alone).
+    "musicgen": dict(num_codebooks=1),
+    "musicgen_melody": dict(num_codebooks=1),
+}),
 }
+# Causal LMs built from one sub-config of their model type's config alone: their tiny config is that
+# sub-config's, shrunk as an architecture's own. Musicgen's is its decoder: AutoModelForCausalLM unwraps a
+# text_config only, and MusicgenForCausalLM, handed the whole config, reads decoder fields off it
+# ('dropout'). Dots3-note's is its text config, as AutoModelForCausalLM builds it: the whole config's
+# validator holds the vision and audio adapters, which the causal LM does not build, to the text width.
+LM_SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder", "dots3_note": "text_config"}
 BUILD_SECONDS = 60
 # A tiny config has 1e4-1e5 parameters (git's unused default vision tower: 9e7). Over this, a
 # default sub-config did not shrink (2.7e9 for gemma3's text model): initializing it takes up to
@@ -111,7 +135,11 @@ def tiny_config(model_type: str, layers: int = 2):
     config's second: its per-layer kinds (``mlp_layer_types``: the MoE layer of a dense-first MoE)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
+    cls = cls.sub_configs[LM_SUB_CONFIG[model_type]] if model_type in LM_SUB_CONFIG else cls
     default = cls()
+    # A field set per layer in a heterogeneous default (dots3_note's sliding layers) is present all the
+    # same: read its global value (a plain read refuses it).
+    default.allow_global_per_layer_attribute_access = True
     over = dict(TINY, num_hidden_layers=layers, attn_implementation="sdpa", experts_implementation="batched_mm")
     present = dict(TINY_IF_PRESENT, **{k: layers for k in DECODER_LAYERS}, **{k: layers - 1 for k in DENSE_FIRST},
                    num_kv_shared_layers=_kv_shared(default, layers))
@@ -135,7 +163,9 @@ def tiny_config(model_type: str, layers: int = 2):
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= VOCAB:
             setattr(cfg, k, 0)
-    if getattr(cls, "sub_configs", None) and (_outline(cfg) or (None, 0))[1] > MAX_PARAMS:
+    # A default sub-config that does not build at all is shrunk too (qwen4_exp's full-depth text config has
+    # indexed-attention layers its default leaves without indexer sizes; the two-layer one has none).
+    if getattr(cls, "sub_configs", None) and (_outline(cfg) or (None, MAX_PARAMS + 1))[1] > MAX_PARAMS:
         for name in cls.sub_configs:  # a multimodal model's default text / vision / audio tower
             if getattr(cfg, name, None) is not None:
                 setattr(cfg, name, _tiny_sub_config(getattr(cfg, name), layers))
@@ -161,7 +191,8 @@ def _tiny_sub_config(sub, layers: int):
     present = dict(TINY, **TINY_IF_PRESENT, **{k: layers for k in SUB_LAYERS},
                    **{k: layers - 1 for k in DENSE_FIRST}, num_kv_shared_layers=_kv_shared(sub, layers))
     fields = sub.to_dict()
-    for k in ("layer_types", "per_layer_config", "no_rope_layers", "moe_layers"):  # per layer: derived from the count
+    # Per layer: derived from the count (gemma3n's activation sparsity: one value per layer).
+    for k in ("layer_types", "per_layer_config", "no_rope_layers", "moe_layers", "activation_sparsity_pattern"):
         fields.pop(k, None)
     fields.update({k: v for k, v in present.items() if _present(sub, k) and _settable(sub, k)})
     try:
@@ -200,13 +231,19 @@ def _per_layer_kinds(cfg) -> dict:
 
 def _from_config(cfg):
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as LM_NAMES
+    build = transformers.AutoModelForCausalLM.from_config
+    for model_type, sub in LM_SUB_CONFIG.items():  # musicgen's decoder config, which the auto mapping lacks
+        if type(cfg) is CONFIG_MAPPING[model_type].sub_configs[sub] and cfg.model_type not in LM_NAMES:
+            build = getattr(transformers, LM_NAMES[model_type])._from_config
     try:
-        return transformers.AutoModelForCausalLM.from_config(cfg)
+        return build(cfg)
     except ValueError as e:
         if "attention implementation" not in str(e):
             raise
         cfg._attn_implementation = "eager"  # no SDPA path: attention as matmul + softmax
-        return transformers.AutoModelForCausalLM.from_config(cfg)
+        return build(cfg)
 
 
 def _outline(cfg):
