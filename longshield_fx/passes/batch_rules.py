@@ -125,6 +125,19 @@ def _select(node, B):
     return BatchDim(tag.dim - (dim < tag.dim), tag.inner)
 
 
+@register_batch_rule(aten.unfold.default, aten.unfold_backward.default)
+def _unfold(node, B):
+    """Windows along one dim (n-grams of a row: BLT's byte hashes): a window holds entries of one
+    sample unless the windows run along the batch dim. ``unfold`` appends the window dim last and
+    ``unfold_backward`` drops it again, so the batch dim keeps its index either way."""
+    tag = batch_dim(node.args[0])
+    rank = val(node.args[0]).dim() if node.target == aten.unfold.default else val(node).dim()
+    dim = norm_dim(node.args[1] if node.target == aten.unfold.default else node.args[2], rank)
+    if dim == tag.dim:
+        raise Mixing("takes windows along the batch dimension")
+    return tag
+
+
 @register_batch_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
 def _split(node, B):
     tag = batch_dim(node.args[0])

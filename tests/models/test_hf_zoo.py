@@ -23,12 +23,7 @@ MODELS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 REAL_MIXING: dict[str, str] = {}
 # Refusals that are gaps of ours, each with the message it must keep until fixed (the test
 # then asks for the entry to go): not sample mixing, but not exact either.
-KNOWN_GAPS: dict[str, str] = {
-    # BLT's entropy patcher builds torch.distributions.Categorical, which dynamo's export capture does
-    # not trace (torch.compile without export does); its patch boundaries depend on the data anyway,
-    # so each batch would be another graph.
-    "blt": "Attempted to call function marked as skipped",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +65,18 @@ def test_readme_shows_this_table(zoo):
                 for name, result in rows}
 
     assert outcomes(shown) == outcomes(hf_zoo.table(zoo)), "regenerate it: python tests/hf_zoo.py --table"
+
+
+def test_blt_with_entropy_patching_is_refused_at_capture():
+    """BLT's default patching draws patch boundaries from its entropy model's predictions on the
+    batch (through torch.distributions.Categorical, which dynamo's export capture does not trace):
+    the graph's shapes would depend on the data. The zoo runs BLT with static patching
+    (``hf_zoo.OVERRIDES``); this is the refusal its default gets, by name."""
+    model = hf_zoo.build("blt", hf_zoo.layers_needed("blt"))
+    model.lm.config.patching_mode = "entropy"
+    ids, labels = hf_zoo.batch()
+    with pytest.raises(lf.UnsupportedModelError, match="cannot be traced into one graph"):
+        lf.compile(model).per_sample_grads(ids, labels)
 
 
 # --- beyond causal LMs: sequence classification and LoRA ---------------------------------

@@ -208,6 +208,15 @@ def test_rows_moved_along_the_batch_are_rejected(op, fn):
     assert f"op {op}" in msg and "moves rows along the batch dimension" in msg
 
 
+def test_windows_within_a_sample_are_exact_and_windows_across_the_batch_are_refused():
+    """unfold (BLT's byte n-gram hashes take windows of each row): windows over a sample's own
+    entries keep samples apart, forward and backward; windows along the batch mix them."""
+    assert_matches_vmap(Weighted(lambda z: z.unfold(1, 3, 2).pow(2).sum((1, 2))), (torch.randn(4, 4),))
+    with pytest.raises(lf.UnsupportedModelError, match=r"op aten\.unfold\.default .*windows along the batch"):
+        lf.compile(Weighted(lambda z: z.unfold(0, 2, 2).reshape(4, -1).pow(2).sum(1))).per_sample_grads(
+            torch.randn(4, 4))
+
+
 def test_per_sample_weights_folded_with_tokens_must_be_constant_per_sample():
     class TokenWeighted(nn.Module):
         def __init__(self, weights):
