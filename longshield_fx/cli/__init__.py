@@ -57,16 +57,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv=None) -> int:
-    code = _run(argv)
-    if under_torchrun():
-        # Under torchrun, interpreter teardown after a DCP load sometimes aborts in a C++
-        # destructor ("terminate called without an active exception", SIGABRT) after every
-        # output is written; torchrun then reports the finished job as failed. Everything this
-        # program writes is closed (and fsynced) by now, so skip the teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    return _run(argv)
 
 
 def _run(argv) -> int:
