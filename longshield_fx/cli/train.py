@@ -383,8 +383,6 @@ def make_signature(job: Job, sigma: float) -> dict:
 def _decide_sigma(job: Job) -> dict | None:
     """σ: given, calibrated to the target ε, or the resumed checkpoint's (after refusing a
     checkpoint of a different run, before calibrating and compiling). Returns that checkpoint."""
-    import longshield_fx as lf
-
     args, state = job.args, None
     if job.ckpt_folder is not None:
         state, job.resumed_from = job.checkpoint or load_latest(job.ckpt_folder)
@@ -401,10 +399,7 @@ def _decide_sigma(job: Job) -> dict | None:
     elif args.sigma is not None:
         sigma = args.sigma
     else:
-        try:
-            sigma = lf.calibrate_noise(args.target_epsilon, job.delta, job.q, args.steps, method=args.accountant)
-        except ValueError as e:  # an unreachable target, a vacuous δ: the flags, not the program
-            raise CLIError(f"--target-epsilon {args.target_epsilon:g} with --delta {job.delta:g}: {e}") from None
+        sigma = _calibrated_sigma(job)
     job.sigma, job.signature = sigma, make_signature(job, sigma)
     if job.restart_if_same:
         before = _read_signature(job.run_dir)
@@ -414,6 +409,26 @@ def _decide_sigma(job: Job) -> dict | None:
                            "changed: pass a new --out")
         say(f"{job.run_dir} holds this run, stopped before its first checkpoint: starting it over")
     return state
+
+
+def _calibrated_sigma(job: Job) -> float:
+    """σ calibrated to --target-epsilon on rank 0 and broadcast: every rank would reach the same
+    number at the same CPU cost (seconds of PLD), and ranks sharing a machine share its cores."""
+    import torch.distributed as dist
+
+    import longshield_fx as lf
+
+    args, answer = job.args, [None, None]  # (σ, the one-line error)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            answer[0] = lf.calibrate_noise(args.target_epsilon, job.delta, job.q, args.steps, method=args.accountant)
+        except ValueError as e:  # an unreachable target, a vacuous δ: the flags, not the program
+            answer[1] = f"--target-epsilon {args.target_epsilon:g} with --delta {job.delta:g}: {e}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise CLIError(answer[1])
+    return answer[0]
 
 
 def _listed(diffs: list[str]) -> str:

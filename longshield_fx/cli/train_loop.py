@@ -47,8 +47,9 @@ def run_steps(job: Job) -> None:
                 save_checkpoint(job, step)
             loss = row[NOT_COVERED]["train_loss"]
             last_loss = loss if loss is not None else last_loss
-            bar.set_postfix_str(f"ε={row['epsilon']:.2f} loss(not DP)={'-' if last_loss is None else f'{last_loss:.3f}'}",
-                                refresh=False)
+            if job.rank0:
+                bar.set_postfix_str(f"ε={row['epsilon']:.2f} loss(not DP)="
+                                    f"{'-' if last_loss is None else f'{last_loss:.3f}'}", refresh=False)
             bar.update()
     bar.close()
 
@@ -102,8 +103,9 @@ def _one_step(job: Job, logical, step: int) -> dict:
     if job.args.log_private_stats:
         private.update(logical_batch_size=logical.size, tokens=job.tokens_seen,
                        tokens_per_s=round(job.tokens_seen / max(elapsed, 1e-9), 1))
-    return {"step": step, "epsilon": engine.epsilon(job.delta), "delta": job.delta, "sigma": job.sigma,
-            NOT_COVERED: private}
+    # ε per step on rank 0 only, which writes the metrics: the others' accountants hold the same steps.
+    return {"step": step, "epsilon": engine.epsilon(job.delta) if job.rank0 else None, "delta": job.delta,
+            "sigma": job.sigma, NOT_COVERED: private}
 
 
 def _evaluate_on_rank0(job: Job) -> dict:
