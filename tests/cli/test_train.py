@@ -480,22 +480,23 @@ def test_torchrun_cp2_reports_the_same_epsilon_as_one_process(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_torchrun_packed_documents_over_dp_cp_and_fsdp_train_as_one_process(tmp_path, capsys):
-    """`train --data` packs under torchrun: dp = 2 (each rank runs every other physical batch of
+    """`train --model DIR --data PATH` packs under torchrun (a Hugging Face Llama saved with
+    save_pretrained, its own BPE tokenizer): dp = 2 (each rank runs every other physical batch of
     the same logical batch, the short rank a batch of padding, the clipped sums meet in finalize),
     cp = 2 (every physical batch split along the sequence, documents attending within themselves
     around the ring) and dp = 2 x cp = 2 with ZeRO-3 over both. Same key, same draws: the same ε
     and batch sizes as one process; dp and cp the same model (to float summation order); ZeRO-3
     draws its noise per shard, so its first step's loss is the one process's and its model
-    reloads whole."""
-    import longshield_fx as lf
-    from longshield_fx.models import Llama
+    reloads whole with from_pretrained."""
+    import transformers
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    g = torch.Generator().manual_seed(0)
-    for i, n in enumerate(torch.randint(5, 150, (40,), generator=g).tolist()):
-        (docs / f"{i:02d}.txt").write_text(" ".join(f"word{j % 17}" for j in range(n)))
-    args = ["train", "--data", docs, "--steps", 3, "-T", 64, "--max-rows", 4, "--physical-batch-size", 1,
+    from finetune_fixtures import documents, save, tiny_llama, tokenizer, write_folder
+
+    texts = documents(40, seed=3)
+    tok = tokenizer(texts)
+    model = save(tiny_llama(len(tok)), tok, tmp_path / "model")
+    docs = write_folder(tmp_path / "docs", texts)
+    args = ["train", "--model", model, "--data", docs, "--steps", 3, "-T", 64, "--max-rows", 4, "--physical-batch-size", 1,
             "--expected-batch-size", 8, "--save-every", 0, "--insecure-seed", 3, "--log-private-stats",
             "--accountant", "rdp", "--sigma", 1]
     assert cli.main([str(a) for a in args] + ["--out", str(tmp_path / "one")]) == 0
@@ -521,7 +522,9 @@ def test_torchrun_packed_documents_over_dp_cp_and_fsdp_train_as_one_process(tmp_
         final = load_state(tmp_path / run / "final_model.pt")
         if run == "fsdp":
             assert train_losses(b)[0] == pytest.approx(train_losses(a)[0], rel=1e-5)
-            lf.CausalLMLoss(Llama.from_name("tiny")).load_state_dict(final)  # whole tensors, every parameter
+            reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / run / "model")
+            whole = {f"lm.{k}": v for k, v in reloaded.state_dict().items()}
+            assert all(torch.equal(whole[k], v) for k, v in final.items())  # whole tensors, every parameter
             continue
         assert train_losses(b) == pytest.approx(train_losses(a), rel=1e-5), run
         torch.testing.assert_close(final, load_state(tmp_path / "one" / "final_model.pt"), atol=1e-5, rtol=1e-4)
