@@ -26,7 +26,6 @@ import numbers
 from typing import Any
 
 import dp_accounting
-from dp_accounting import pld as _pld
 from dp_accounting.pld import privacy_loss_distribution as _pld_lib
 from dp_accounting import rdp as _rdp
 
@@ -79,11 +78,6 @@ def _check_noise_multiplier(noise_multiplier: float) -> None:
 def _check_count(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _new_accountant(method: str) -> dp_accounting.PrivacyAccountant:
-    """A fresh, empty dp_accounting accountant for ``method`` (add-or-remove-one)."""
-    return _pld.PLDAccountant() if method == "pld" else _rdp.RdpAccountant()
 
 
 def _step_event(noise_multiplier: float, sample_rate: float) -> dp_accounting.DpEvent:
