@@ -13,7 +13,9 @@ SECRET: the sampler's state holds the sampling key. Store checkpoints like the p
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -27,8 +29,9 @@ def save(path, engine, optimizer, sampler=None) -> None:
     model_state, optimizer_state = get_state_dict(engine.model, optimizer)
     blob = io.BytesIO()
     torch.save(engine.state_dict(sampler), blob)
-    dcp.save({"model": model_state, "optimizer": optimizer_state, "engine": blob.getvalue()},
-             checkpoint_id=str(path))
+    with _one_process_is_meant():
+        dcp.save({"model": model_state, "optimizer": optimizer_state, "engine": blob.getvalue()},
+                 checkpoint_id=str(path))
 
 
 def load(path, engine, optimizer, sampler=None, *, allow_rollback: bool = False) -> None:
@@ -38,7 +41,16 @@ def load(path, engine, optimizer, sampler=None, *, allow_rollback: bool = False)
     ``allow_rollback``: see ``Engine.load_state_dict``."""
     model_state, optimizer_state = get_state_dict(engine.model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state, "engine": b""}
-    dcp.load(state, checkpoint_id=str(path))
+    with _one_process_is_meant():
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(engine.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     engine_state = torch.load(io.BytesIO(state["engine"]), weights_only=True)
     engine.load_state_dict(engine_state, sampler, allow_rollback=allow_rollback)
+
+
+@contextlib.contextmanager
+def _one_process_is_meant():
+    """Without torch.distributed, DCP warns that it assumes one process: that is this run's layout."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

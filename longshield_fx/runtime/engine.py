@@ -295,6 +295,7 @@ class Engine:
         state = fingerprint(self.model)  # before capture: what the graph is traced from
         model = self.parallel.capture_module(self.model)
         if dtype is not None and dtype != next(model.parameters()).dtype and self.sharding is None:
+            _check_no_forward_holds_a_module(model)
             model = copy.deepcopy(model).to(dtype)  # capture only; the live model keeps its dtype
         batch = self.parallel.shard(batch)
         captured = self._shared_capture(state, batch)
@@ -599,3 +600,24 @@ class Engine:
             lines.append(format_log(lowered.log))
             lines.append("  per-sample rules: " + ", ".join(f"{n}={r}" for n, r in lowered.rules.items()))
         return "\n".join(lines)
+
+
+def _check_no_forward_holds_a_module(model: nn.Module) -> None:
+    """The compute-dtype capture runs a deep copy of ``model``; a forward replaced on an instance by
+    a function that holds a module (TRL's fused LM-head patch keeps the original bound forward) is
+    not copied with it, so the copy would run the original's weights, and the trainable copies
+    would get no gradient."""
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        func = getattr(forward, "__func__", forward)
+        for cell in getattr(func, "__closure__", None) or ():
+            try:
+                held = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(getattr(held, "__self__", held), nn.Module):
+                raise UnsupportedModelError(
+                    f"compile: the forward of {name or 'the model'} was replaced by {func.__qualname__} "
+                    f"({func.__module__}), which holds a module; capturing in compute_dtype copies the model, and the "
+                    "copy would run the original's weights. Way out: a compute_dtype equal to the parameters' dtype "
+                    "(bf16=False in Trainer arguments), or remove the replaced forward")

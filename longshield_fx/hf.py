@@ -1,0 +1,375 @@
+"""A Hugging Face ``Trainer`` that trains with DP-SGD through longshield_fx.
+
+A script written for ``transformers.Trainer`` becomes differentially private by swapping the class
+and adding the privacy settings::
+
+    from longshield_fx.hf import DPTrainer, PrivacyArguments
+
+    trainer = DPTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=held_out,
+                        data_collator=default_data_collator,
+                        privacy=PrivacyArguments(target_epsilon=8.0, expected_batch_size=64))
+    trainer.train()
+
+Why a subclass: the Trainer's loop (progress bar, logging, callbacks, evaluation, checkpoint folders,
+the optimizer and LR schedule from ``TrainingArguments``) is kept; only the pieces that DP changes are
+replaced. Each optimizer step is one Poisson-sampled logical batch of the training set's rows (each
+row one privacy unit), cut into fixed-shape physical batches of ``per_device_train_batch_size``
+rows; the engine accumulates their clipped per-row gradients and adds the noise once. The Trainer's
+own DataLoader, gradient clipping and model wrapping (DDP) are not used.
+
+What is logged: ``epsilon`` and ``delta`` beside every log line. The training loss is computed from
+the private rows without noise, so it is logged as ``loss_not_dp`` (and ``train_loss_not_dp``);
+``grad_norm`` is the norm of the released, noised gradient (covered by ε). Evaluation runs on the
+held-out set, which is never trained on and which ε does not protect.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+import transformers
+from torch.utils.data import DataLoader
+
+import longshield_fx as lf
+
+from .data import LogicalBatch, PoissonBatches
+from .losses import CausalLMLoss
+
+__all__ = ["DPTrainer", "DPTrainerMixin", "DPSFTTrainer", "PrivacyArguments"]
+
+PRIVACY_FILE = "privacy.json"
+ENGINE_FOLDER = "longshield"  # in each checkpoint-N folder: model, optimizer, accountant, sampler (SECRET)
+
+
+@dataclass
+class PrivacyArguments:
+    """The DP settings of a ``DPTrainer`` (or ``DPSFTTrainer``) run.
+
+    target_epsilon / noise_multiplier: exactly one. A target calibrates σ to the run's steps
+        (``max_steps``, or ``num_train_epochs`` epochs of round(1/q) steps each).
+    delta: δ of the reported (ε, δ); default the largest power of ten ≤ min(1e-5, N^-1.1).
+    max_grad_norm: the per-row clipping threshold C (``TrainingArguments.max_grad_norm`` is not
+        used: the released gradient is never clipped again).
+    expected_batch_size / sample_rate: exactly one; each row joins each step's batch with
+        probability q (= expected_batch_size / N).
+    clipping, accountant: as in ``longshield_fx.DPConfig``.
+    insecure_seed: TESTS ONLY (noise and sampling from a public seed: no privacy).
+    """
+
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    delta: float | None = None
+    max_grad_norm: float = 1.0
+    expected_batch_size: float | None = None
+    sample_rate: float | None = None
+    clipping: str = "flat"
+    accountant: str = "pld"
+    insecure_seed: int | None = None
+
+    def __post_init__(self):
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("PrivacyArguments: give exactly one of target_epsilon (σ is calibrated to it) and "
+                             "noise_multiplier")
+        if (self.expected_batch_size is None) == (self.sample_rate is None):
+            raise ValueError("PrivacyArguments: give exactly one of expected_batch_size (rows per step on average) "
+                             "and sample_rate")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"PrivacyArguments: target_epsilon must be > 0, got {self.target_epsilon!r}")
+        if self.expected_batch_size is not None and not self.expected_batch_size > 0:
+            raise ValueError(f"PrivacyArguments: expected_batch_size must be > 0, got {self.expected_batch_size!r}")
+        if self.delta is not None and not 0 < self.delta < 1:
+            raise ValueError(f"PrivacyArguments: delta must be in (0, 1), got {self.delta!r}")
+
+
+# TrainingArguments DP forbids or this trainer does not carry out, each with its way out.
+def _refusals(args: transformers.TrainingArguments) -> list[str]:
+    checks = [
+        (args.gradient_accumulation_steps != 1,
+         "gradient_accumulation_steps: Poisson sampling decides the logical batch; set "
+         "PrivacyArguments(expected_batch_size=...) and per_device_train_batch_size (the physical batch), and "
+         "leave gradient_accumulation_steps=1"),
+        (args.fp16, "fp16: its loss scaling would scale the clipping threshold; use bf16=True"),
+        (args.train_sampling_strategy != "random", "train_sampling_strategy: every step's batch is a Poisson sample "
+         "(each row joins independently), which no other order may replace; leave it 'random'"),
+        (args.auto_find_batch_size, "auto_find_batch_size: the physical batch shape is captured once; set "
+         "per_device_train_batch_size yourself and leave it False"),
+        (args.n_gpu > 1, "n_gpu > 1 (DataParallel): run one process per GPU with torchrun"),
+        (bool(args.deepspeed), "deepspeed: DPTrainer runs its own engine; leave deepspeed unset"),
+        (bool(args.fsdp), "fsdp: DPTrainer does not use accelerate's FSDP; leave TrainingArguments.fsdp unset"),
+        (args.torch_compile, "torch_compile: the engine compiles the training step itself; set it False"),
+        (args.neftune_noise_alpha is not None, "neftune_noise_alpha: NEFTune's embedding noise runs in a forward "
+         "hook, which the engine's graph does not run; leave it None"),
+        (args.label_smoothing_factor != 0, "label_smoothing_factor: the per-row loss is plain next-token "
+         "cross-entropy; set it 0"),
+        (args.include_num_input_tokens_seen not in (False, "no"), "include_num_input_tokens_seen: token counts come from the "
+         "private rows without noise; leave it off"),
+        (args.dataloader_drop_last, "dataloader_drop_last: a Poisson batch has no last batch to drop; set it False"),
+        (getattr(args, "use_liger_kernel", False), "use_liger_kernel: it patches the model's forward; set it False"),
+        (args.push_to_hub, "push_to_hub: checkpoint folders hold the secret sampling key; save_model() and push "
+         "the released model yourself"),
+        (args.world_size > 1, "world_size: DPTrainer runs in one process for now; for torchrun with cp, hp or "
+         "fsdp use `longshield-fx train` (docs/guides/multi-gpu.md)"),
+        (getattr(args, "packing", False), "packing: TRL's packing joins several examples into one row, which would "
+         "make the row, not the example, the privacy unit; set packing=False"),
+        (getattr(args, "padding_free", False), "padding_free: it flattens a batch into one row of several "
+         "examples; set padding_free=False"),
+    ]
+    return [why for refused, why in checks if refused]
+
+
+def _inner(optimizer):
+    """The torch optimizer inside accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+class DPTrainerMixin:
+    """DP-SGD for a ``transformers.Trainer`` subclass: put it first, ``class T(DPTrainerMixin, Trainer)``.
+    ``DPTrainer`` and ``DPSFTTrainer`` are the two this module makes; the arguments are the Trainer's,
+    plus ``privacy`` (``PrivacyArguments``).
+
+    The model is a causal LM (a transformers model or a peft one); the training set's rows are the
+    privacy units; the collator must give ``input_ids`` and ``labels`` (as ``group_texts`` or
+    ``DataCollatorForLanguageModeling(tokenizer, mlm=False)`` do), right-padded (padding positions,
+    ``attention_mask`` 0, are not trained on). Rows shorter than the longest are padded to it, so every
+    physical batch has one shape. ``gradient_checkpointing=True`` maps to block checkpointing and
+    ``bf16=True`` to a bfloat16 compute dtype. The Trainer's checkpoint folders also hold a
+    ``longshield/`` folder (model, optimizer, accountant and sampler: SECRET, store it like the data);
+    ``train(resume_from_checkpoint=...)`` continues the run's sampling and accounting, with fresh noise.
+    """
+
+    def __init__(self, *args, privacy: PrivacyArguments, **kwargs):
+        if not isinstance(privacy, PrivacyArguments):
+            raise TypeError(f"DPTrainer: privacy must be a longshield_fx.hf.PrivacyArguments, got "
+                            f"{type(privacy).__name__}")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        refused = [] if training_args is None else _refusals(training_args)
+        if refused:  # before the Trainer starts anything (push_to_hub would create a repository)
+            raise ValueError(f"DPTrainer: TrainingArguments.{refused[0]}")
+        self._checkpoint = None
+        if training_args is not None and training_args.gradient_checkpointing:
+            # The engine checkpoints each block in its graph. The Trainer (and TRL, for peft models)
+            # would instead switch on the model's own checkpointing and hook the input embeddings.
+            self._checkpoint = "block"
+            training_args = copy.copy(training_args)
+            training_args.activation_checkpointing = training_args.gradient_checkpointing = False
+            if "args" in kwargs:
+                kwargs["args"] = training_args
+            else:
+                args = (args[0], training_args, *args[2:])
+        super().__init__(*args, **kwargs)
+        if self.model_init is not None:
+            raise ValueError("DPTrainer: model_init (and hyperparameter search) is not supported: each trial would "
+                             "spend privacy; pass model=")
+        self.privacy = privacy
+        self.engine = None
+        self._sampler: PoissonBatches | None = None
+        self._draws = None
+
+    # --- the run's engine, sampler and data ---------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """One placeholder item per optimizer step of an epoch: the Trainer's loop counts steps with
+        it; ``get_batch_samples`` draws the real logical batch."""
+        if self.engine is None:
+            self._setup()
+        return DataLoader(range(len(self._sampler)), batch_size=1)
+
+    def num_examples(self, dataloader) -> int:
+        return len(self.train_dataset)
+
+    def _setup(self) -> None:
+        if self.train_dataset is None:
+            raise ValueError("DPTrainer: train() needs a train_dataset")
+        dataset, collate = self.train_dataset, self.data_collator
+        try:
+            import datasets
+        except ImportError:
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        self._rows, self._collate = dataset, collate
+        N = len(dataset)
+        p = self.privacy
+        q = p.sample_rate if p.sample_rate is not None else p.expected_batch_size / N
+        if not 0 < q <= 1:
+            raise ValueError(f"DPTrainer: expected_batch_size {p.expected_batch_size:g} over {N} training rows is a "
+                             f"sample rate of {q:g}, not in (0, 1]; ask for fewer rows per step")
+        self._delta = p.delta if p.delta is not None else _default_delta(N)
+        self._seq_len = max(len(row["input_ids"]) for row in dataset)
+        self._pad_id = _pad_id(self.processing_class, self.model)
+        self._sampler = PoissonBatches(torch.arange(N), q, self.args.per_device_train_batch_size,
+                                       insecure_seed=p.insecure_seed)
+        steps = self.args.max_steps if self.args.max_steps > 0 else \
+            math.ceil(self.args.num_train_epochs * len(self._sampler))
+        sigma = p.noise_multiplier if p.noise_multiplier is not None else \
+            lf.calibrate_noise(p.target_epsilon, self._delta, q, steps, method=p.accountant)
+        config = lf.DPConfig(p.max_grad_norm, sigma, clipping=p.clipping, accountant=p.accountant,
+                             insecure_seed=p.insecure_seed,
+                             compute_dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
+        _drop_input_require_grads_hooks(self.model)
+        self.engine = lf.compile(CausalLMLoss(self.model), config=config,
+                                 checkpoint=self._checkpoint)
+        self._planned_steps = steps
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """The next Poisson logical batch, one per placeholder the Trainer's loop takes."""
+        taken = [item for _, item in zip(range(num_batches), epoch_iterator)]
+        if self._draws is None:  # after any checkpoint load: the sampler's stream is where it was saved
+            self._draws = self._logical_batches()
+        return [next(self._draws) for _ in taken], None
+
+    def _logical_batches(self):
+        while True:
+            yield from self._sampler
+
+    def _physical(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels) of dataset ``rows``, collated and right-padded to the longest row."""
+        batch = self._collate([self._rows[i] for i in rows.tolist()])
+        if "labels" not in batch:
+            raise ValueError("DPTrainer: the collated batch has no 'labels'; copy input_ids to labels (as "
+                             "group_texts does) or use DataCollatorForLanguageModeling(tokenizer, mlm=False)")
+        ids, labels = torch.as_tensor(batch["input_ids"]), torch.as_tensor(batch["labels"])
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            mask = torch.as_tensor(mask)
+            if bool((mask[:, 1:] > mask[:, :-1]).any()):
+                raise ValueError("DPTrainer: a row is left-padded (attention_mask 0 before 1); the loss reads rows "
+                                 "as causal sequences from their first position: set tokenizer.padding_side = "
+                                 "'right'")
+            labels = labels.masked_fill(mask == 0, -100)
+        pad = self._seq_len - ids.shape[1]
+        if pad > 0:
+            ids = torch.nn.functional.pad(ids, (0, pad), value=self._pad_id)
+            labels = torch.nn.functional.pad(labels, (0, pad), value=-100)
+        return ids.to(self.args.device), labels.to(self.args.device)
+
+    # --- one optimizer step -------------------------------------------------------------------
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        # The engine's module, not self.model: the Trainer then leaves it unwrapped (no DDP, whose
+        # hooks would all-reduce and hold the gradients the engine writes).
+        return self.engine.model if training and self.engine is not None else model
+
+    def training_step(self, model, inputs: LogicalBatch, num_items_in_batch=None) -> torch.Tensor:
+        """Accumulate every physical batch of the logical batch, then add the noise once and write
+        ``.grad``. Returns the mean token loss of the sampled rows (NOT covered by DP)."""
+        loss, tokens = 0.0, 0
+        for (rows,), mask in inputs.physical:
+            ids, labels = self._physical(rows)
+            loss += float(self.engine.accumulate(ids, labels, mask=mask))
+            tokens += int(((labels[:, 1:] != -100).sum(1).cpu() * mask).sum())
+        self.engine.finalize(inputs)
+        return torch.tensor(loss / max(tokens, 1), device=self.args.device)
+
+    def _clip_grad_norm(self, model):
+        # The released gradient is already clipped per row and noised; its norm is logged unclipped.
+        return None
+
+    def floating_point_ops(self, inputs) -> int:
+        return 0
+
+    # --- logs ---------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.engine is not None:
+            logs = {(f"{k}_not_dp" if k in ("loss", "train_loss") else k): v for k, v in logs.items()}
+            logs["epsilon"] = self.engine.epsilon(self._delta)
+            logs["delta"] = self._delta
+        super().log(logs, start_time)
+
+    # --- saving and resuming ------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        super()._save(output_dir, state_dict)
+        if self.engine is not None and self.args.should_save:
+            folder = Path(output_dir if output_dir is not None else self.args.output_dir)
+            (folder / PRIVACY_FILE).write_text(json.dumps(self.privacy_record(), indent=1) + "\n")
+
+    def privacy_record(self) -> dict:
+        """privacy.json: the guarantee of the model as trained so far."""
+        config = self.engine.config
+        return {
+            "epsilon": self.engine.epsilon(self._delta), "delta": self._delta,
+            "accountant": f"{config.accountant.upper()} (dp-accounting)",
+            "privacy_unit": "one training row (add/remove one row)",
+            "mechanism": "DP-SGD: Poisson sampling of rows, per-row gradient clipping, Gaussian noise",
+            "sample_rate": self._sampler.sample_rate, "noise_multiplier": config.noise_multiplier,
+            "steps": self.engine.accountant.steps, "max_grad_norm": config.max_grad_norm,
+            "clipping": config.clipping, "privacy_arguments": asdict(self.privacy),
+            "privacy_void": self.privacy.insecure_seed is not None,
+            "not_covered": "training losses (loss_not_dp) come from the data without noise; evaluation data is "
+                           "never trained on and is not protected by ε",
+            "library": f"longshield_fx {version('longshield_fx')}",
+        }
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        lf.save_checkpoint(Path(output_dir) / ENGINE_FOLDER, self.engine, _inner(self.optimizer), self._sampler)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        folder = Path(checkpoint) / ENGINE_FOLDER
+        if not folder.is_dir():
+            raise ValueError(f"DPTrainer: {checkpoint} has no {ENGINE_FOLDER}/ folder (a DPTrainer checkpoint holds "
+                             "the accountant and the sampler); resume from a checkpoint folder this trainer wrote")
+        lf.load_checkpoint(folder, self.engine, _inner(self.optimizer), self._sampler)
+        self._draws = None
+        scheduler = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
+        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def hyperparameter_search(self, *args, **kwargs):
+        raise ValueError("DPTrainer: hyperparameter search trains many models on the private data, and each trial "
+                         "spends privacy that this trainer does not account; tune on public data")
+
+
+class DPTrainer(DPTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with DP-SGD (``DPTrainerMixin``)."""
+
+
+def __getattr__(name: str):
+    if name == "DPSFTTrainer":  # trl is imported only when asked for
+        import trl
+
+        class DPSFTTrainer(DPTrainerMixin, trl.SFTTrainer):
+            """TRL's ``SFTTrainer`` with DP-SGD (``DPTrainerMixin``): each example of the prepared dataset
+            (a text, or a conversation through the chat template) is one privacy unit."""
+
+        DPSFTTrainer.__module__ = __name__
+        globals()[name] = DPSFTTrainer
+        return DPSFTTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _drop_input_require_grads_hooks(model) -> None:
+    """Remove the forward hooks transformers' ``enable_input_require_grads`` and peft put on the
+    input embeddings (TRL adds one for every peft model): they call ``requires_grad_`` on the
+    embeddings' output so that eager reentrant checkpointing sees a grad-requiring input. The
+    engine never runs the eager backward, and in a captured graph that side effect cuts the
+    adapters' gradients. Several calls leave several hooks, and transformers keeps the handle of
+    the last only, so they are found by name."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    hooks = getattr(embeddings, "_forward_hooks", {})  # nn.Module's own registry: the handles are lost
+    for key, hook in list(hooks.items()):
+        if getattr(hook, "__name__", "") in ("make_inputs_require_grads", "make_inputs_require_grad"):
+            del hooks[key]
+
+
+def _default_delta(num_rows: int) -> float:
+    from .cli.corpus import default_delta
+
+    return default_delta(num_rows)
+
+
+def _pad_id(tokenizer, model) -> int:
+    for source in (tokenizer, getattr(model, "config", None)):
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(source, name, None)
+            if isinstance(value, int):
+                return value
+    return 0

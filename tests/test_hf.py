@@ -1,0 +1,277 @@
+"""``longshield_fx.hf.DPTrainer``: a causal-LM fine-tuning script written as transformers'
+documentation writes it (``datasets`` text files, tokenize, ``group_texts``, the LM collator,
+``TrainingArguments``, ``Trainer(...).train()``, evaluate, save) runs both ways; the DP version
+differs in at most five lines, and its released model equals our engine's own loop on the same
+logical batches, bitwise (public seeds, tests only)."""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+
+import pytest
+import torch
+
+import datasets  # noqa: F401  (in the test extra)
+import transformers  # noqa: E402
+
+import finetune_fixtures as ff  # noqa: E402
+import longshield_fx as lf  # noqa: E402
+from longshield_fx.hf import DPTrainer, PrivacyArguments  # noqa: E402
+
+SCRIPT = '''\
+import math
+from datasets import load_dataset
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer,
+                          TrainingArguments)
+
+tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+raw = load_dataset("text", data_files=DATA, sample_by="paragraph")["train"].train_test_split(test_size=0.2, seed=0)
+tokenized = raw.map(lambda examples: tokenizer(examples["text"]), batched=True, remove_columns=["text"])
+block_size = 32
+
+
+def group_texts(examples):
+    concatenated = {k: sum(examples[k], []) for k in examples.keys()}
+    total_length = len(concatenated[list(examples.keys())[0]]) // block_size * block_size
+    result = {k: [t[i : i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()}
+    result["labels"] = result["input_ids"].copy()
+    return result
+
+
+lm_dataset = tokenized.map(group_texts, batched=True)
+data_collator = DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm=False)
+model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
+training_args = TrainingArguments(output_dir=OUT, per_device_train_batch_size=4, max_steps=6, learning_rate=1e-3,
+                                  weight_decay=0.01, logging_steps=2, eval_strategy="steps", eval_steps=3,
+                                  save_steps=3, report_to="none", use_cpu=True)
+trainer = Trainer(
+    model=model,
+    args=training_args,
+    train_dataset=lm_dataset["train"],
+    eval_dataset=lm_dataset["test"],
+    data_collator=data_collator,
+    processing_class=tokenizer,
+)
+trainer.train()
+eval_results = trainer.evaluate()
+print(f"Perplexity: {math.exp(eval_results['eval_loss']):.2f}")
+trainer.save_model(OUT + "/final")
+'''
+
+PRIVATE = (SCRIPT
+           .replace("                          TrainingArguments)\n",
+                    "                          TrainingArguments)\n"
+                    "from longshield_fx.hf import DPTrainer, PrivacyArguments\n")
+           .replace("trainer = Trainer(\n",
+                    "trainer = DPTrainer(\n    privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=8, "
+                    "insecure_seed=SEED),\n"))
+SEED = 7
+
+
+def run(script: str, **names) -> dict:
+    scope = dict(names, __name__="finetune_clm")
+    exec(compile(script, "finetune_clm.py", "exec"), scope)
+    return scope
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_trainer")
+    texts = ff.documents(40, seed=3)
+    tok = ff.tokenizer(texts)
+    model_dir = ff.save(ff.tiny_llama(len(tok)), tok, root / "model")
+    data = root / "notes.txt"
+    data.write_text("\n\n".join(t.strip() for t in texts) + "\n")
+    return root, str(model_dir), str(data)
+
+
+@pytest.fixture(scope="module")
+def dp_run(folders):
+    root, model_dir, data = folders
+    return run(PRIVATE, MODEL_DIR=model_dir, DATA=str(data), OUT=str(root / "dp"), SEED=SEED)
+
+
+def test_the_private_script_differs_in_at_most_five_lines_and_the_plain_one_runs(folders):
+    changed = [line for line in difflib.unified_diff(SCRIPT.splitlines(), PRIVATE.splitlines(), lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert 0 < len(changed) <= 5, changed
+    root, model_dir, data = folders
+    plain = run(SCRIPT, MODEL_DIR=model_dir, DATA=str(data), OUT=str(root / "plain"))
+    assert plain["trainer"].state.global_step == 6 and "eval_loss" in plain["eval_results"]
+
+
+def _engine_loop(model_dir: str, rows: torch.Tensor, args: transformers.TrainingArguments, steps: int):
+    """Our engine's own loop over the same rows: the Trainer's optimizer and LR schedule (built by
+    transformers from the same arguments), the same public seeds."""
+    lm = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    engine = lf.compile(lf.CausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, insecure_seed=SEED))
+    plain = copy.copy(args)
+    plain.eval_strategy = "no"  # a Trainer here only builds the optimizer, as DPTrainer's does
+    optimizer = transformers.Trainer(model=lm, args=plain).create_optimizer()
+    scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
+                                           num_warmup_steps=args.get_warmup_steps(steps), num_training_steps=steps)
+    sampler = lf.data.PoissonBatches(rows, 8 / len(rows), args.per_device_train_batch_size, insecure_seed=SEED)
+    draws = iter(sampler)
+    for _ in range(steps):
+        batch = next(draws)
+        for (ids,), mask in batch.physical:
+            engine.accumulate(ids, ids, mask=mask)
+        engine.finalize(batch)
+        optimizer.step()
+        scheduler.step()
+        lm.zero_grad()
+    return lm, engine
+
+
+def test_released_model_equals_the_engine_loop_and_logs_the_accountants_epsilon(dp_run, folders):
+    trainer = dp_run["trainer"]
+    rows = torch.tensor(trainer.train_dataset["input_ids"])
+    lm, engine = _engine_loop(folders[1], rows, trainer.args, 6)
+    for (name, ours), theirs in zip(trainer.model.named_parameters(), lm.parameters()):
+        assert torch.equal(ours, theirs), name
+    delta = trainer.privacy_record()["delta"]
+    logged = [e for e in trainer.state.log_history if "loss_not_dp" in e]
+    assert [e["step"] for e in logged] == [2, 4, 6] and "loss" not in logged[-1]
+    # The trainer's accountant composed its steps as they were logged (2 + 1 + 1 + 2), the loop's
+    # all 6 at once: PLD's discretised compositions agree to ~1e-10, each an upper bound.
+    assert logged[-1]["epsilon"] == trainer.engine.epsilon(delta) == pytest.approx(engine.epsilon(delta), rel=1e-9)
+    assert trainer.engine.accountant.history == engine.accountant.history and engine.epsilon(delta) > 0
+    evaluated = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["step"] for e in evaluated] == [3, 6, 6] and evaluated[-1]["epsilon"] == trainer.engine.epsilon(delta)
+    final = folders[0] / "dp" / "final"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(final)
+    for (name, ours), theirs in zip(trainer.model.named_parameters(), reloaded.parameters()):
+        assert torch.equal(ours, theirs), name
+    record = json.loads((final / "privacy.json").read_text())
+    assert record["epsilon"] == trainer.engine.epsilon(delta) and record["steps"] == 6 and record["privacy_void"]
+
+
+def test_resuming_a_checkpoint_folder_continues_the_run(folders, tmp_path):
+    """Noise 0: the run resumed from checkpoint-3 ends where the uninterrupted one does, with the
+    same accounted steps; the checkpoint's secret engine state is in its longshield/ folder."""
+    _, model_dir, data = folders
+    private = PRIVATE.replace("noise_multiplier=1.0", "noise_multiplier=0.0").replace("eval_strategy=\"steps\"",
+                                                                                      "eval_strategy=\"no\"")
+    whole = run(private, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "whole"), SEED=SEED)["trainer"]
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    assert (checkpoint / "longshield").is_dir() and (checkpoint / "privacy.json").is_file()
+    resumed_script = private.replace("trainer.train()", f"trainer.train(resume_from_checkpoint={str(checkpoint)!r})")
+    resumed = run(resumed_script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "resumed"), SEED=SEED)["trainer"]
+    assert resumed.state.global_step == 6 and resumed.engine.accountant.steps == whole.engine.accountant.steps == 6
+    for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_lora_model_trains_only_its_adapters_and_saves_a_peft_folder(folders, tmp_path):
+    import peft
+    _, model_dir, data = folders
+    script = (PRIVATE.replace("max_steps=6", "max_steps=2").replace("eval_strategy=\"steps\"", "eval_strategy=\"no\"")
+              .replace("model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)\n",
+                       "model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)\n"
+                       "import peft\nmodel = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="
+                       "['q_proj', 'v_proj'], task_type='CAUSAL_LM'))\n"))
+    trainer = run(script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path), SEED=SEED)["trainer"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    frozen = dict(base.named_parameters())
+    for name, p in trainer.model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen[name.removeprefix("base_model.model.").replace(".base_layer", "")]), name
+    reloaded = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "final")
+    for (name, a), b in zip(trainer.model.named_parameters(), reloaded.parameters()):
+        assert torch.equal(a, b), name
+    assert any("lora" in n and not torch.equal(p, torch.zeros_like(p)) for n, p in trainer.model.named_parameters())
+
+
+REFUSED = {
+    "gradient_accumulation_steps": dict(gradient_accumulation_steps=2),
+    "train_sampling_strategy": dict(train_sampling_strategy="group_by_length"),
+    "auto_find_batch_size": dict(auto_find_batch_size=True),
+    "torch_compile": dict(torch_compile=True),
+    "neftune_noise_alpha": dict(neftune_noise_alpha=5.0),
+    "label_smoothing_factor": dict(label_smoothing_factor=0.1),
+    "include_num_input_tokens_seen": dict(include_num_input_tokens_seen=True),
+    "dataloader_drop_last": dict(dataloader_drop_last=True),
+    "push_to_hub": dict(push_to_hub=True, hub_model_id="x/y"),
+}
+
+
+@pytest.mark.parametrize("option", list(REFUSED))
+def test_training_arguments_dp_forbids_are_refused_by_name(option, folders, tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **REFUSED[option])
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders[1])
+    with pytest.raises(ValueError, match=rf"^DPTrainer: TrainingArguments\.{option}: .+; "):
+        DPTrainer(model=model, args=args, privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4))
+
+
+def test_privacy_arguments_need_one_noise_and_one_sampling_setting():
+    with pytest.raises(ValueError, match="exactly one of target_epsilon"):
+        PrivacyArguments(expected_batch_size=4)
+    with pytest.raises(ValueError, match="exactly one of expected_batch_size"):
+        PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4, sample_rate=0.1)
+
+
+def test_trl_sft_with_lora_on_text_and_chat_datasets_trains_privately(folders, tmp_path):
+    """TRL's SFTTrainer through the same route: its own dataset preparation (a text dataset, then
+    conversations through the chat template), a LoRA config; each example is one unit."""
+    import trl
+    import datasets
+    import peft
+
+    from longshield_fx.hf import DPSFTTrainer
+
+    _, model_dir, _ = folders
+    texts = ff.documents(24, seed=5)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    chats = [{"messages": [{"role": "user", "content": "notes?"}, {"role": "assistant", "content": t[:120]}]}
+             for t in texts]
+    for name, rows in (("text", [{"text": t[:200]} for t in texts]), ("chat", chats)):
+        trainer = DPSFTTrainer(
+            model=transformers.AutoModelForCausalLM.from_pretrained(model_dir),
+            args=trl.SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=2,
+                               learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                               bf16=False),
+            train_dataset=datasets.Dataset.from_list(rows), processing_class=tok,
+            peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+            privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=6, insecure_seed=SEED))
+        trainer.train()
+        assert trainer.engine.accountant.steps == 2 and trainer.engine.captures == 1
+        assert "=unused" not in repr(trainer.engine), "an adapter got no gradient in the captured graph"
+        trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+        assert trained and all("lora_" in n for n in trained), trained
+        assert [e["epsilon"] for e in trainer.state.log_history if "loss_not_dp" in e][-1] == \
+            trainer.engine.epsilon(trainer.privacy_record()["delta"])
+        trainer.save_model(str(tmp_path / name / "final"))
+        assert (tmp_path / name / "final" / "adapter_config.json").is_file()
+
+
+def test_trl_packing_is_refused_because_it_changes_the_unit(folders, tmp_path):
+    import trl
+    from longshield_fx.hf import DPSFTTrainer
+
+    args = trl.SFTConfig(output_dir=str(tmp_path), packing=True, report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match=r"^DPTrainer: TrainingArguments\.packing: .+privacy unit"):
+        DPSFTTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]), args=args,
+                     privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4))
+
+
+def test_trl_in_bf16_is_refused_instead_of_training_a_copy(folders, tmp_path):
+    """TRL replaces the model's forward by a function that holds the original; the bf16 capture's copy
+    would run the original's weights, so the adapters would get no gradient: a clear error instead."""
+    import trl
+    import datasets
+    import peft
+
+    from longshield_fx.hf import DPSFTTrainer
+
+    trainer = DPSFTTrainer(
+        model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]),
+        args=trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, bf16=True,
+                           save_strategy="no", report_to="none", use_cpu=True),
+        train_dataset=datasets.Dataset.from_list([{"text": t} for t in ff.documents(8, seed=1)]),
+        processing_class=transformers.AutoTokenizer.from_pretrained(folders[1]),
+        peft_config=peft.LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+        privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4))
+    with pytest.raises(lf.UnsupportedModelError, match="holds a module.+bf16=False"):
+        trainer.train()
