@@ -10,12 +10,14 @@ and adding the privacy settings::
                         privacy=PrivacyArguments(target_epsilon=8.0, expected_batch_size=64))
     trainer.train()
 
-Why a subclass: the Trainer's loop (progress bar, logging, callbacks, evaluation, checkpoint folders,
-the optimizer and LR schedule from ``TrainingArguments``) is kept; only the pieces that DP changes are
-replaced. Each optimizer step is one Poisson-sampled logical batch of the training set's rows (each
-row one privacy unit), cut into fixed-shape physical batches of ``per_device_train_batch_size``
-rows; the engine accumulates their clipped per-row gradients and adds the noise once. The Trainer's
-own DataLoader, gradient clipping and model wrapping (DDP) are not used.
+Why a subclass (a mixin, so that TRL's ``SFTTrainer`` gets the same): the Trainer's loop (progress
+bar, logging, callbacks, evaluation, checkpoint folders, the optimizer and LR schedule from
+``TrainingArguments``) is kept; only the pieces that DP changes are replaced. Each optimizer step is
+one Poisson-sampled logical batch of the training set's units (a row, or all rows of one value of
+``PrivacyArguments.unit_column``), cut into fixed-shape physical batches of
+``per_device_train_batch_size`` units; the engine accumulates their clipped per-unit gradients and
+adds the noise once. The Trainer's own DataLoader, gradient clipping and model wrapping (DDP) are not
+used. Under torchrun the processes form a (dp, cp) mesh (``PrivacyArguments.cp``, ``fsdp``).
 
 What is logged: ``epsilon`` and ``delta`` beside every log line. The training loss is computed from
 the private rows without noise, so it is logged as ``loss_not_dp`` (and ``train_loss_not_dp``);
@@ -24,6 +26,7 @@ held-out set, which is never trained on and which ε does not protect.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -58,7 +61,16 @@ class PrivacyArguments:
         used: the released gradient is never clipped again).
     expected_batch_size / sample_rate: exactly one; each row joins each step's batch with
         probability q (= expected_batch_size / N).
+    unit_column: a column of the training set; all rows with the same value are one privacy unit
+        (user-level DP: e.g. every document of one person). Steps sample units; a unit's gradient is
+        summed over all its rows, then clipped. A physical batch then holds
+        ``per_device_train_batch_size`` units of R rows each (R: the most rows any unit has).
+        None: each row is a unit.
     clipping, accountant: as in ``longshield_fx.DPConfig``.
+    cp: under torchrun, ranks per context-parallel group (ring attention); the other factor of the
+        world size is data parallel ("dp").
+    fsdp: mesh dims to shard model and optimizer states over (ZeRO-3 in the graph), e.g.
+        ``("dp", "cp")``; None: every rank holds everything.
     insecure_seed: TESTS ONLY (noise and sampling from a public seed: no privacy).
     """
 
@@ -68,8 +80,11 @@ class PrivacyArguments:
     max_grad_norm: float = 1.0
     expected_batch_size: float | None = None
     sample_rate: float | None = None
+    unit_column: str | None = None
     clipping: str = "flat"
     accountant: str = "pld"
+    cp: int = 1
+    fsdp: tuple[str, ...] | None = None
     insecure_seed: int | None = None
 
     def __post_init__(self):
@@ -83,6 +98,12 @@ class PrivacyArguments:
             raise ValueError(f"PrivacyArguments: target_epsilon must be > 0, got {self.target_epsilon!r}")
         if self.expected_batch_size is not None and not self.expected_batch_size > 0:
             raise ValueError(f"PrivacyArguments: expected_batch_size must be > 0, got {self.expected_batch_size!r}")
+        if not (isinstance(self.cp, int) and self.cp >= 1):
+            raise ValueError(f"PrivacyArguments: cp must be an int >= 1, got {self.cp!r}")
+        if self.fsdp is not None:
+            self.fsdp = tuple(self.fsdp)
+            if not self.fsdp or not set(self.fsdp) <= {"dp", "cp"}:
+                raise ValueError(f"PrivacyArguments: fsdp names mesh dims among 'dp' and 'cp', got {self.fsdp!r}")
         if self.delta is not None and not 0 < self.delta < 1:
             raise ValueError(f"PrivacyArguments: delta must be in (0, 1), got {self.delta!r}")
 
@@ -113,14 +134,41 @@ def _refusals(args: transformers.TrainingArguments) -> list[str]:
         (getattr(args, "use_liger_kernel", False), "use_liger_kernel: it patches the model's forward; set it False"),
         (args.push_to_hub, "push_to_hub: checkpoint folders hold the secret sampling key; save_model() and push "
          "the released model yourself"),
-        (args.world_size > 1, "world_size: DPTrainer runs in one process for now; for torchrun with cp, hp or "
-         "fsdp use `longshield-fx train` (docs/guides/multi-gpu.md)"),
         (getattr(args, "packing", False), "packing: TRL's packing joins several examples into one row, which would "
          "make the row, not the example, the privacy unit; set packing=False"),
         (getattr(args, "padding_free", False), "padding_free: it flattens a batch into one row of several "
          "examples; set padding_free=False"),
+        (getattr(args, "loss_type", "nll") != "nll", "loss_type: the per-unit loss is next-token cross-entropy "
+         "('nll'); set loss_type='nll'"),
+        (getattr(args, "activation_offloading", False), "activation_offloading: the engine's graph keeps or "
+         "recomputes activations itself; set it False"),
+        (getattr(args, "optim", "") in ("lomo", "adalomo"), "optim: LOMO fuses the update into the backward, "
+         "which the engine runs before the noise; choose another optimizer"),
+        *((True, f"report_to: {why}") for why in _artifact_uploads(args)),
     ]
     return [why for refused, why in checks if refused]
+
+
+# Logged values that DP covers: the schedule, the step, and the released (noised) gradient's norm.
+_COVERED = {"epoch", "step", "learning_rate", "grad_norm", "epsilon", "delta"}
+
+
+def _artifact_uploads(args) -> list[str]:
+    """The reporting integrations asked to upload checkpoint folders or ``output_dir`` (which hold
+    the secret ``longshield/`` state), each named with the setting to change."""
+    reports = set(args.report_to or ())
+    env = {k: os.environ.get(k, "").strip().lower() for k in
+           ("WANDB_LOG_MODEL", "HF_MLFLOW_LOG_ARTIFACTS", "HF_DAGSHUB_LOG_ARTIFACTS", "COMET_LOG_ASSETS",
+            "HF_DVCLIVE_LOG_MODEL", "CLEARML_LOG_MODEL")}
+    on = ("1", "true", "yes", "on", "all")
+    uploads = [("wandb", env["WANDB_LOG_MODEL"] == "checkpoint", "WANDB_LOG_MODEL=checkpoint"),
+               ("mlflow", env["HF_MLFLOW_LOG_ARTIFACTS"] in on, "HF_MLFLOW_LOG_ARTIFACTS"),
+               ("dagshub", env["HF_DAGSHUB_LOG_ARTIFACTS"] in on, "HF_DAGSHUB_LOG_ARTIFACTS"),
+               ("comet_ml", env["COMET_LOG_ASSETS"] in on, "COMET_LOG_ASSETS"),
+               ("dvclive", env["HF_DVCLIVE_LOG_MODEL"] in on, "HF_DVCLIVE_LOG_MODEL"),
+               ("clearml", env["CLEARML_LOG_MODEL"] in on, "CLEARML_LOG_MODEL")]
+    return [f"{name} with {setting} uploads checkpoint folders, which hold the secret sampling key; unset "
+            f"{setting.split('=')[0]}" for name, asked, setting in uploads if asked and (name in reports or "all" in reports)]
 
 
 def _inner(optimizer):
@@ -134,7 +182,7 @@ class DPTrainerMixin:
     plus ``privacy`` (``PrivacyArguments``).
 
     The model is a causal LM (a transformers model or a peft one); the training set's rows are the
-    privacy units; the collator must give ``input_ids`` and ``labels`` (as ``group_texts`` or
+    privacy units (or its rows grouped by ``PrivacyArguments.unit_column``); the collator must give ``input_ids`` and ``labels`` (as ``group_texts`` or
     ``DataCollatorForLanguageModeling(tokenizer, mlm=False)`` do), right-padded (padding positions,
     ``attention_mask`` 0, are not trained on). Rows shorter than the longest are padded to it, so every
     physical batch has one shape. ``gradient_checkpointing=True`` maps to block checkpointing and
@@ -166,8 +214,15 @@ class DPTrainerMixin:
         if self.model_init is not None:
             raise ValueError("DPTrainer: model_init (and hyperparameter search) is not supported: each trial would "
                              "spend privacy; pass model=")
+        if self.compute_loss_func is not None:
+            raise ValueError("DPTrainer: compute_loss_func is not supported: the per-unit loss is next-token "
+                             "cross-entropy summed over the unit's tokens; leave it None")
+        if self.optimizer is not None and privacy.fsdp:
+            raise ValueError("DPTrainer: optimizers= with PrivacyArguments.fsdp: the optimizer would hold the "
+                             "unsharded parameters that fsdp replaces; pass optimizer_cls_and_kwargs= instead")
         self.privacy = privacy
         self.engine = None
+        self._resuming = False
         self._sampler: PoissonBatches | None = None
         self._draws = None
 
@@ -177,10 +232,19 @@ class DPTrainerMixin:
         it; ``get_batch_samples`` draws the real logical batch."""
         if self.engine is None:
             self._setup()
+        elif self.engine.accountant.steps and not self._resuming:
+            raise ValueError("DPTrainer: train() ran before on this trainer; another call would spend privacy beyond "
+                             "the run's target. Build a new DPTrainer and pass resume_from_checkpoint= to continue")
         return DataLoader(range(len(self._sampler)), batch_size=1)
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._resuming = resume_from_checkpoint not in (None, False)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def num_examples(self, dataloader) -> int:
-        return len(self.train_dataset)
+        if isinstance(getattr(dataloader, "dataset", None), range):  # the training placeholders
+            return len(self._units) if self._units else len(self.train_dataset)
+        return super().num_examples(dataloader)
 
     def _setup(self) -> None:
         if self.train_dataset is None:
@@ -195,12 +259,16 @@ class DPTrainerMixin:
         else:
             collate = self._get_collator_with_removed_columns(collate, description="training")
         self._rows, self._collate = dataset, collate
-        N = len(dataset)
         p = self.privacy
+        self._units = _units(self.train_dataset, p.unit_column) if p.unit_column else None
+        N = len(self._units) if self._units else len(dataset)
         q = p.sample_rate if p.sample_rate is not None else p.expected_batch_size / N
         if not 0 < q <= 1:
-            raise ValueError(f"DPTrainer: expected_batch_size {p.expected_batch_size:g} over {N} training rows is a "
-                             f"sample rate of {q:g}, not in (0, 1]; ask for fewer rows per step")
+            raise ValueError(f"DPTrainer: expected_batch_size {p.expected_batch_size:g} over {N} training units is a "
+                             f"sample rate of {q:g}, not in (0, 1]; ask for fewer units per step")
+        if self._units and p.cp > 1:
+            raise ValueError("DPTrainer: PrivacyArguments.unit_column with cp > 1 is not supported yet; use cp=1 "
+                             "(dp and fsdp work), or the CLI's --unit-column under torchrun")
         self._delta = p.delta if p.delta is not None else _default_delta(N)
         self._seq_len = max(len(row["input_ids"]) for row in dataset)
         self._pad_id = _pad_id(self.processing_class, self.model)
@@ -209,14 +277,42 @@ class DPTrainerMixin:
         steps = self.args.max_steps if self.args.max_steps > 0 else \
             math.ceil(self.args.num_train_epochs * len(self._sampler))
         sigma = p.noise_multiplier if p.noise_multiplier is not None else \
-            lf.calibrate_noise(p.target_epsilon, self._delta, q, steps, method=p.accountant)
+            _on_rank_0(lambda: lf.calibrate_noise(p.target_epsilon, self._delta, q, steps, method=p.accountant))
         config = lf.DPConfig(p.max_grad_norm, sigma, clipping=p.clipping, accountant=p.accountant,
                              insecure_seed=p.insecure_seed,
                              compute_dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
         _drop_input_require_grads_hooks(self.model)
-        self.engine = lf.compile(CausalLMLoss(self.model), config=config,
-                                 checkpoint=self._checkpoint)
-        self._planned_steps = steps
+        mesh, self._dp, self._dp_rank = self._mesh()
+        self._dp_group = mesh["dp"].get_group() if self._dp > 1 else None
+        self.engine = lf.compile(CausalLMLoss(self.model), mesh, config=config, checkpoint=self._checkpoint,
+                                 fsdp=p.fsdp)
+
+    def _mesh(self):
+        """(mesh or None, dp, this rank's dp index): under torchrun, world = dp x cp. The mesh's
+        groups run gloo on one worker thread (``serial_gloo``: torch's two-thread gloo races)."""
+        world, cp = self.args.world_size, self.privacy.cp
+        if world % cp:
+            raise ValueError(f"DPTrainer: PrivacyArguments.cp={cp} does not divide the {world} processes; launch "
+                             f"a multiple of {cp} with torchrun --nproc-per-node")
+        if world == 1:
+            if self.privacy.fsdp:
+                raise ValueError("DPTrainer: PrivacyArguments.fsdp shards over several processes; launch with "
+                                 "torchrun, or leave fsdp=None")
+            return None, 1, 0
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ._torch import serial_gloo
+
+        device, dp = self.args.device.type, world // cp
+        names = ("dp", "cp") if dp > 1 else ("cp",)
+        missing = set(self.privacy.fsdp or ()) - set(names)
+        if missing:
+            raise ValueError(f"DPTrainer: PrivacyArguments.fsdp names {sorted(missing)}, but the mesh of {world} "
+                             f"processes at cp={cp} has only {names}")
+        override = {} if device == "cuda" else {name: serial_gloo() for name in names}
+        mesh = init_device_mesh(device, (dp, cp) if dp > 1 else (cp,), mesh_dim_names=names,
+                                backend_override=override)
+        return mesh, dp, (mesh["dp"].get_local_rank() if dp > 1 else 0)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The next Poisson logical batch, one per placeholder the Trainer's loop takes."""
@@ -229,9 +325,25 @@ class DPTrainerMixin:
         while True:
             yield from self._sampler
 
-    def _physical(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _physical(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels) of the sampled rows, (B, T); or with a unit column, of the sampled
+        units, (B, R, T), each unit's rows first and then rows of padding (labels -100)."""
+        if self._units is None:
+            return self._collated(samples.tolist())
+        members = [self._units[u] for u in samples.tolist()]
+        ids, labels = self._collated([i for rows in members for i in rows])
+        R = max(len(rows) for rows in self._units)
+        out_ids = ids.new_full((len(members), R, ids.shape[1]), self._pad_id)
+        out_labels = labels.new_full((len(members), R, ids.shape[1]), -100)
+        k = 0
+        for b, rows in enumerate(members):
+            out_ids[b, :len(rows)], out_labels[b, :len(rows)] = ids[k:k + len(rows)], labels[k:k + len(rows)]
+            k += len(rows)
+        return out_ids, out_labels
+
+    def _collated(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels) of dataset ``rows``, collated and right-padded to the longest row."""
-        batch = self._collate([self._rows[i] for i in rows.tolist()])
+        batch = self._collate([self._rows[i] for i in rows])
         if "labels" not in batch:
             raise ValueError("DPTrainer: the collated batch has no 'labels'; copy input_ids to labels (as "
                              "group_texts does) or use DataCollatorForLanguageModeling(tokenizer, mlm=False)")
@@ -259,12 +371,19 @@ class DPTrainerMixin:
     def training_step(self, model, inputs: LogicalBatch, num_items_in_batch=None) -> torch.Tensor:
         """Accumulate every physical batch of the logical batch, then add the noise once and write
         ``.grad``. Returns the mean token loss of the sampled rows (NOT covered by DP)."""
+        model.train()  # evaluation leaves it in eval mode; the engine's graph is the training one
+        if hasattr(self.optimizer, "train"):
+            self.optimizer.train()  # schedule-free optimizers keep train and eval weights
         loss, tokens = 0.0, 0
-        for (rows,), mask in inputs.physical:
+        for (rows,), mask in inputs.share(self._dp_rank, self._dp):
             ids, labels = self._physical(rows)
             loss += float(self.engine.accumulate(ids, labels, mask=mask))
-            tokens += int(((labels[:, 1:] != -100).sum(1).cpu() * mask).sum())
+            tokens += int(((labels[..., 1:] != -100).flatten(1).sum(1).cpu() * mask).sum())
         self.engine.finalize(inputs)
+        if self._dp > 1:  # every dp group ran its share; the logged loss is the logical batch's
+            both = torch.tensor([loss, tokens], dtype=torch.float64, device=self.args.device)  # NCCL: on GPU
+            torch.distributed.all_reduce(both, group=self._dp_group)
+            loss, tokens = float(both[0]), int(both[1])
         return torch.tensor(loss / max(tokens, 1), device=self.args.device)
 
     def _clip_grad_norm(self, model):
@@ -276,13 +395,36 @@ class DPTrainerMixin:
 
     # --- logs ---------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds ε and δ; renames in place (so the caller's dict, e.g. ``train()``'s metrics, says it
+        too) every training value that comes from the private rows without noise to ``<key>_not_dp``:
+        losses, timings, sample and token counts. Evaluation values (``eval_*``) are on held-out data."""
         if self.engine is not None:
-            logs = {(f"{k}_not_dp" if k in ("loss", "train_loss") else k): v for k, v in logs.items()}
+            for key in [k for k in logs if k not in _COVERED and not k.startswith(("eval_", "test_"))]:
+                logs[f"{key}_not_dp"] = logs.pop(key)
             logs["epsilon"] = self.engine.epsilon(self._delta)
             logs["delta"] = self._delta
         super().log(logs, start_time)
 
     # --- saving and resuming ------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        with self._whole_parameters():
+            super().save_model(output_dir, _internal_call)
+
+    def evaluate(self, *args, **kwargs):
+        with self._whole_parameters():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with self._whole_parameters():
+            return super().predict(*args, **kwargs)
+
+    def _whole_parameters(self):
+        """Under fsdp, the model with every parameter gathered whole (a collective: every rank is
+        here, as the Trainer calls save and evaluate on every rank)."""
+        if self.engine is None or self.engine.sharding is None:
+            return contextlib.nullcontext()
+        return self.engine.sharding.whole_parameters(self.engine.model)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)
         if self.engine is not None and self.args.should_save:
@@ -295,7 +437,8 @@ class DPTrainerMixin:
         return {
             "epsilon": self.engine.epsilon(self._delta), "delta": self._delta,
             "accountant": f"{config.accountant.upper()} (dp-accounting)",
-            "privacy_unit": "one training row (add/remove one row)",
+            "privacy_unit": (f"all rows with one value of {self.privacy.unit_column!r} (add/remove one unit)"
+                             if self.privacy.unit_column else "one training row (add/remove one row)"),
             "mechanism": "DP-SGD: Poisson sampling of rows, per-row gradient clipping, Gaussian noise",
             "sample_rate": self._sampler.sample_rate, "noise_multiplier": config.noise_multiplier,
             "steps": self.engine.accountant.steps, "max_grad_norm": config.max_grad_norm,
@@ -317,7 +460,8 @@ class DPTrainerMixin:
         folder = Path(checkpoint) / ENGINE_FOLDER
         if not folder.is_dir():
             raise ValueError(f"DPTrainer: {checkpoint} has no {ENGINE_FOLDER}/ folder (a DPTrainer checkpoint holds "
-                             "the accountant and the sampler); resume from a checkpoint folder this trainer wrote")
+                             "the accountant and the sampler; save_only_model=True leaves them out); resume from a "
+                             "checkpoint folder a DPTrainer wrote with save_only_model=False")
         lf.load_checkpoint(folder, self.engine, _inner(self.optimizer), self._sampler)
         self._draws = None
         scheduler = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
@@ -358,6 +502,30 @@ def _drop_input_require_grads_hooks(model) -> None:
     for key, hook in list(hooks.items()):
         if getattr(hook, "__name__", "") in ("make_inputs_require_grads", "make_inputs_require_grad"):
             del hooks[key]
+
+
+def _units(dataset, column: str) -> list[list[int]]:
+    """The row indices of each unit (in order of first appearance), from ``column``."""
+    try:
+        keys = dataset[column] if hasattr(dataset, "column_names") else [row[column] for row in dataset]
+    except (KeyError, TypeError):
+        raise ValueError(f"DPTrainer: PrivacyArguments.unit_column={column!r} is not a column of the training "
+                         "set") from None
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _on_rank_0(compute):
+    """``compute()`` on rank 0, its answer on every rank (calibration is seconds of CPU each)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return compute()
+    answer = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(answer, src=0)
+    return answer[0]
 
 
 def _default_delta(num_rows: int) -> float:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,7 +107,7 @@ def test_the_private_script_differs_in_at_most_five_lines_and_the_plain_one_runs
 def _engine_loop(model_dir: str, rows: torch.Tensor, args: transformers.TrainingArguments, steps: int):
     """Our engine's own loop over the same rows: the Trainer's optimizer and LR schedule (built by
     transformers from the same arguments), the same public seeds."""
-    lm = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    lm = transformers.AutoModelForCausalLM.from_pretrained(model_dir).train()
     engine = lf.compile(lf.CausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, insecure_seed=SEED))
     plain = copy.copy(args)
     plain.eval_strategy = "no"  # a Trainer here only builds the optimizer, as DPTrainer's does
@@ -128,11 +131,14 @@ def test_released_model_equals_the_engine_loop_and_logs_the_accountants_epsilon(
     trainer = dp_run["trainer"]
     rows = torch.tensor(trainer.train_dataset["input_ids"])
     lm, engine = _engine_loop(folders[1], rows, trainer.args, 6)
-    for (name, ours), theirs in zip(trainer.model.named_parameters(), lm.parameters()):
+    for (name, ours), theirs in zip(trainer.model.named_parameters(), lm.parameters(), strict=True):
         assert torch.equal(ours, theirs), name
     delta = trainer.privacy_record()["delta"]
     logged = [e for e in trainer.state.log_history if "loss_not_dp" in e]
     assert [e["step"] for e in logged] == [2, 4, 6] and "loss" not in logged[-1]
+    final_metrics = next(e for e in trainer.state.log_history if "train_loss_not_dp" in e)  # train()'s own
+    assert {"train_loss_not_dp", "train_runtime_not_dp", "train_samples_per_second_not_dp", "epsilon"} <= \
+        set(final_metrics) and not any(k.startswith("train_") and not k.endswith("_not_dp") for k in final_metrics)
     # The trainer's accountant composed its steps as they were logged (2 + 1 + 1 + 2), the loop's
     # all 6 at once: PLD's discretised compositions agree to ~1e-10, each an upper bound.
     assert logged[-1]["epsilon"] == trainer.engine.epsilon(delta) == pytest.approx(engine.epsilon(delta), rel=1e-9)
@@ -141,26 +147,50 @@ def test_released_model_equals_the_engine_loop_and_logs_the_accountants_epsilon(
     assert [e["step"] for e in evaluated] == [3, 6, 6] and evaluated[-1]["epsilon"] == trainer.engine.epsilon(delta)
     final = folders[0] / "dp" / "final"
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(final)
-    for (name, ours), theirs in zip(trainer.model.named_parameters(), reloaded.parameters()):
+    for (name, ours), theirs in zip(trainer.model.named_parameters(), reloaded.parameters(), strict=True):
         assert torch.equal(ours, theirs), name
     record = json.loads((final / "privacy.json").read_text())
     assert record["epsilon"] == trainer.engine.epsilon(delta) and record["steps"] == 6 and record["privacy_void"]
 
 
-def test_resuming_a_checkpoint_folder_continues_the_run(folders, tmp_path):
+NOISELESS = PRIVATE.replace("noise_multiplier=1.0", "noise_multiplier=0.0")
+
+
+@pytest.fixture(scope="module")
+def noiseless_run(folders):
+    """The private script at σ = 0 (so that runs over other layouts can be compared), no evaluation."""
+    root, model_dir, data = folders
+    script = NOISELESS.replace('eval_strategy="steps"', 'eval_strategy="no"')
+    return run(script, MODEL_DIR=model_dir, DATA=data, OUT=str(root / "noiseless"), SEED=SEED)["trainer"]
+
+
+def test_resuming_a_checkpoint_folder_continues_the_run(folders, noiseless_run, tmp_path):
     """Noise 0: the run resumed from checkpoint-3 ends where the uninterrupted one does, with the
     same accounted steps; the checkpoint's secret engine state is in its longshield/ folder."""
-    _, model_dir, data = folders
-    private = PRIVATE.replace("noise_multiplier=1.0", "noise_multiplier=0.0").replace("eval_strategy=\"steps\"",
-                                                                                      "eval_strategy=\"no\"")
-    whole = run(private, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "whole"), SEED=SEED)["trainer"]
-    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    root, model_dir, data = folders
+    private = NOISELESS.replace('eval_strategy="steps"', 'eval_strategy="no"')
+    whole = noiseless_run
+    checkpoint = root / "noiseless" / "checkpoint-3"
     assert (checkpoint / "longshield").is_dir() and (checkpoint / "privacy.json").is_file()
     resumed_script = private.replace("trainer.train()", f"trainer.train(resume_from_checkpoint={str(checkpoint)!r})")
     resumed = run(resumed_script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "resumed"), SEED=SEED)["trainer"]
     assert resumed.state.global_step == 6 and resumed.engine.accountant.steps == whole.engine.accountant.steps == 6
-    for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
+    for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_resumed_run_draws_fresh_noise(folders, dp_run, tmp_path):
+    """σ = 1: resumed from the DP run's checkpoint-3, the same sampled batches and accounted steps,
+    but other noise: its model differs from the uninterrupted run's (the engine never restores a
+    noise stream, tests/runtime/test_engine.py; here through the Trainer's checkpoint folder)."""
+    root, model_dir, data = folders
+    script = PRIVATE.replace('eval_strategy="steps"', 'eval_strategy="no"').replace(
+        "trainer.train()", f"trainer.train(resume_from_checkpoint={str(root / 'dp' / 'checkpoint-3')!r})")
+    resumed = run(script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path), SEED=SEED)["trainer"]
+    whole = dp_run["trainer"]
+    assert resumed.engine.accountant.history == whole.engine.accountant.history
+    assert resumed._sampler.state_dict()["step"] == whole._sampler.state_dict()["step"] == 6
+    assert not torch.equal(resumed.model.lm_head.weight, whole.model.lm_head.weight)
 
 
 def test_a_lora_model_trains_only_its_adapters_and_saves_a_peft_folder(folders, tmp_path):
@@ -178,9 +208,10 @@ def test_a_lora_model_trains_only_its_adapters_and_saves_a_peft_folder(folders, 
         if not p.requires_grad:
             assert torch.equal(p, frozen[name.removeprefix("base_model.model.").replace(".base_layer", "")]), name
     reloaded = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "final")
-    for (name, a), b in zip(trainer.model.named_parameters(), reloaded.parameters()):
+    for (name, a), b in zip(trainer.model.named_parameters(), reloaded.parameters(), strict=True):
         assert torch.equal(a, b), name
-    assert any("lora" in n and not torch.equal(p, torch.zeros_like(p)) for n, p in trainer.model.named_parameters())
+    assert "=unused" not in repr(trainer.engine), "an adapter got no gradient in the captured graph"
+    assert all(not torch.equal(p, torch.zeros_like(p)) for n, p in trainer.model.named_parameters() if "lora_B" in n)
 
 
 REFUSED = {
@@ -193,12 +224,16 @@ REFUSED = {
     "include_num_input_tokens_seen": dict(include_num_input_tokens_seen=True),
     "dataloader_drop_last": dict(dataloader_drop_last=True),
     "push_to_hub": dict(push_to_hub=True, hub_model_id="x/y"),
+    "fp16": dict(fp16=True),
+    "report_to": dict(report_to=["mlflow"]),  # with HF_MLFLOW_LOG_ARTIFACTS set below
 }
 
 
 @pytest.mark.parametrize("option", list(REFUSED))
-def test_training_arguments_dp_forbids_are_refused_by_name(option, folders, tmp_path):
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **REFUSED[option])
+def test_training_arguments_dp_forbids_are_refused_by_name(option, folders, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_MLFLOW_LOG_ARTIFACTS", "1")
+    args = transformers.TrainingArguments(**{"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True,
+                                             **REFUSED[option]})
     model = transformers.AutoModelForCausalLM.from_pretrained(folders[1])
     with pytest.raises(ValueError, match=rf"^DPTrainer: TrainingArguments\.{option}: .+; "):
         DPTrainer(model=model, args=args, privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4))
@@ -246,14 +281,25 @@ def test_trl_sft_with_lora_on_text_and_chat_datasets_trains_privately(folders, t
         assert (tmp_path / name / "final" / "adapter_config.json").is_file()
 
 
-def test_trl_packing_is_refused_because_it_changes_the_unit(folders, tmp_path):
+@pytest.mark.parametrize("option, value, why", [("packing", True, "privacy unit"), ("padding_free", True, "one row"),
+                                                ("loss_type", "dft", "cross-entropy"),
+                                                ("activation_offloading", True, "recomputes")])
+def test_trl_options_that_change_the_unit_or_the_loss_are_refused(option, value, why, folders, tmp_path):
     import trl
     from longshield_fx.hf import DPSFTTrainer
 
-    args = trl.SFTConfig(output_dir=str(tmp_path), packing=True, report_to="none", use_cpu=True)
-    with pytest.raises(ValueError, match=r"^DPTrainer: TrainingArguments\.packing: .+privacy unit"):
+    args = trl.SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **{option: value})
+    with pytest.raises(ValueError, match=rf"^DPTrainer: TrainingArguments\.{option}: .*{why}"):
         DPSFTTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]), args=args,
                      privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4))
+
+
+def test_a_custom_loss_is_refused(folders, tmp_path):
+    with pytest.raises(ValueError, match="compute_loss_func is not supported"):
+        DPTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]),
+                  args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+                  compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss,
+                  privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4))
 
 
 def test_trl_in_bf16_is_refused_instead_of_training_a_copy(folders, tmp_path):
@@ -275,3 +321,101 @@ def test_trl_in_bf16_is_refused_instead_of_training_a_copy(folders, tmp_path):
         privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4))
     with pytest.raises(lf.UnsupportedModelError, match="holds a module.+bf16=False"):
         trainer.train()
+
+
+TORCHRUN = ("import os\nMODEL_DIR, DATA, OUT, SEED = os.environ['MODEL_DIR'], os.environ['DATA'], os.environ['OUT'], 7\n"
+            + NOISELESS.replace("insecure_seed=SEED)", "insecure_seed=SEED, cp=2, fsdp=os.environ['FSDP'].split(','))")
+            .replace("trainer.train()", "trainer.train(resume_from_checkpoint=os.environ.get('RESUME'))"))
+
+
+def _torchrun(nproc: int, script, **env) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+
+def _weights(folder) -> dict:
+    return dict(transformers.AutoModelForCausalLM.from_pretrained(folder).named_parameters())
+
+
+@pytest.mark.slow
+def test_torchrun_dp2_cp2_fsdp_equals_one_process_and_resumes_on_2_ranks(folders, noiseless_run, tmp_path):
+    """The same script under torchrun: 4 gloo ranks as dp = 2 x cp = 2 with ZeRO-3 over both, and
+    its checkpoint-3 resumed on 2 ranks (cp = 2, sharded over cp). Noise 0: both end at the one-process
+    model within 1e-5; evaluation and the saved folder gather the shards."""
+    _, model_dir, data = folders
+    script = tmp_path / "finetune_clm.py"
+    script.write_text(TORCHRUN)
+    _torchrun(4, script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "dp2cp2"), FSDP="dp,cp")
+    _torchrun(2, script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "cp2"), FSDP="cp",
+              RESUME=str(tmp_path / "dp2cp2" / "checkpoint-3"))
+    one = dict(noiseless_run.model.named_parameters())
+    start = _weights(folders[1])
+    assert max(float((one[n] - start[n]).abs().max()) for n in one) > 1e-3  # the steps moved the model
+    for run_dir in ("dp2cp2", "cp2"):
+        for name, p in _weights(tmp_path / run_dir / "final").items():
+            torch.testing.assert_close(p, one[name], rtol=0, atol=1e-5, msg=f"{run_dir}: {name}")
+    state = json.loads((tmp_path / "cp2" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6 and any("eval_loss" in e for e in state["log_history"])
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-compute", "bf16-compute"])
+def test_a_bfloat16_model_trains_from_a_plain_list_of_rows(bf16, folders, tmp_path):
+    """``dtype=torch.bfloat16`` weights, a list of dicts as the dataset, the default collator."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders[1], dtype=torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(3, 300, (12, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    trainer = DPTrainer(model=model, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+                        args=transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                                            max_steps=2, bf16=bf16, learning_rate=1e-2,
+                                                            save_strategy="no", report_to="none", use_cpu=True),
+                        privacy=PrivacyArguments(noise_multiplier=0.5, expected_batch_size=4, insecure_seed=SEED))
+    trainer.train()
+    assert trainer.engine.accountant.steps == 2 and "=unused" not in repr(trainer.engine)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="train\\(\\) ran before on this trainer"):
+        trainer.train()
+
+
+def test_a_unit_column_makes_each_persons_rows_one_unit_as_the_engine_loop_does(folders, tmp_path):
+    """User-level DP: the rows of one ``person`` are one sample of (R, T) rows; the trainer's model
+    equals the engine's loop over the same (units, R, T) tensor, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    sizes = [1, 3, 2, 1, 2, 3, 1, 2, 1, 2]  # rows per person
+    rows = [{"person": f"p{u}", "input_ids": torch.randint(3, 300, (16,), generator=gen).tolist()}
+            for u, n in enumerate(sizes) for _ in range(n)]
+    rows = [dict(r, labels=r["input_ids"]) for r in rows[::2] + rows[1::2]]  # a person's rows apart
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                                          learning_rate=1e-2, save_strategy="no", report_to="none", use_cpu=True,
+                                          lr_scheduler_type="constant")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders[1])
+    trainer = DPTrainer(model=model, args=args, train_dataset=rows,
+                        privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=3, unit_column="person",
+                                                 insecure_seed=SEED))
+    trainer.train()
+    assert trainer.privacy_record()["privacy_unit"].startswith("all rows with one value of 'person'")
+
+    units = list(dict.fromkeys(r["person"] for r in rows))
+    R = max(sizes)
+    ids = torch.zeros(len(units), R, 16, dtype=torch.long)
+    labels = torch.full((len(units), R, 16), -100)
+    for u, person in enumerate(units):
+        mine = [r["input_ids"] for r in rows if r["person"] == person]
+        ids[u, :len(mine)] = labels[u, :len(mine)] = torch.tensor(mine)
+    lm = transformers.AutoModelForCausalLM.from_pretrained(folders[1])
+    engine = lf.compile(lf.CausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, insecure_seed=SEED))
+    optimizer = transformers.Trainer(model=lm, args=args).create_optimizer()
+    sampler = lf.data.PoissonBatches(torch.utils.data.TensorDataset(ids, labels), 3 / len(units), 2,
+                                     insecure_seed=SEED)
+    draws = iter(sampler)
+    for _ in range(3):
+        batch = next(draws)
+        for (x, y), mask in batch.physical:
+            engine.accumulate(x, y, mask=mask)
+        engine.finalize(batch)
+        optimizer.step()
+        lm.zero_grad()
+    for (name, ours), theirs in zip(model.named_parameters(), lm.parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
