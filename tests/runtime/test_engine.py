@@ -242,6 +242,22 @@ def test_bf16_tracks_fp32_loss():
         assert abs(a - b) <= 0.02 * abs(a)
 
 
+def test_a_bf16_capture_refuses_a_forward_replaced_by_a_function_holding_the_original():
+    """The compute-dtype capture copies the model; a forward replaced on the instance by a closure
+    over the original bound forward (as TRL's fused-head patch does) would run the original's
+    weights in the copy, so its trainable copies would get no gradient: refused by name."""
+    model = MLP()
+    original = model.forward
+
+    def patched(self, *batch):
+        return original(*batch)
+
+    model.forward = patched.__get__(model)
+    engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0, compute_dtype=torch.bfloat16))
+    with pytest.raises(lf.UnsupportedModelError, match="replaced by .*patched.* holds a module"):
+        engine.accumulate(*mlp_batch(4))
+
+
 def test_bad_input_is_refused_and_changes_nothing():
     model = MLP()
     engine = lf.compile(model, config=lf.DPConfig(1.0, 1.0))
