@@ -42,7 +42,8 @@ from torch.utils.data import DataLoader
 import longshield_fx as lf
 
 from .data import LogicalBatch, PoissonBatches
-from .losses import CausalLMLoss
+from .losses import CausalLMLoss, PackedCausalLMLoss
+from .packing import PackedPoissonBatches, unit_slots_for
 
 __all__ = ["DPTrainer", "DPTrainerMixin", "DPSFTTrainer", "PrivacyArguments"]
 
@@ -66,6 +67,10 @@ class PrivacyArguments:
         summed over all its rows, then clipped. A physical batch then holds
         ``per_device_train_batch_size`` units of R rows each (R: the most rows any unit has).
         None: each row is a unit.
+    pack_seq_len: pack the sampled units' documents (each training row one document, of any length;
+        every token trained, labels = input_ids) into physical batches of ``per_device_train_batch_size``
+        rows of this many tokens, each document attending only to itself, each unit still one sample
+        (``longshield_fx.packing``). None: rows are padded to the longest.
     clipping, accountant: as in ``longshield_fx.DPConfig``.
     cp: under torchrun, ranks per context-parallel group (ring attention); the other factor of the
         world size is data parallel ("dp").
@@ -81,6 +86,7 @@ class PrivacyArguments:
     expected_batch_size: float | None = None
     sample_rate: float | None = None
     unit_column: str | None = None
+    pack_seq_len: int | None = None
     clipping: str = "flat"
     accountant: str = "pld"
     cp: int = 1
@@ -98,6 +104,8 @@ class PrivacyArguments:
             raise ValueError(f"PrivacyArguments: target_epsilon must be > 0, got {self.target_epsilon!r}")
         if self.expected_batch_size is not None and not self.expected_batch_size > 0:
             raise ValueError(f"PrivacyArguments: expected_batch_size must be > 0, got {self.expected_batch_size!r}")
+        if self.pack_seq_len is not None and not (isinstance(self.pack_seq_len, int) and self.pack_seq_len >= 2):
+            raise ValueError(f"PrivacyArguments: pack_seq_len must be an int >= 2, got {self.pack_seq_len!r}")
         if not (isinstance(self.cp, int) and self.cp >= 1):
             raise ValueError(f"PrivacyArguments: cp must be an int >= 1, got {self.cp!r}")
         if self.fsdp is not None:
@@ -266,14 +274,20 @@ class DPTrainerMixin:
         if not 0 < q <= 1:
             raise ValueError(f"DPTrainer: expected_batch_size {p.expected_batch_size:g} over {N} training units is a "
                              f"sample rate of {q:g}, not in (0, 1]; ask for fewer units per step")
-        if self._units and p.cp > 1:
-            raise ValueError("DPTrainer: PrivacyArguments.unit_column with cp > 1 is not supported yet; use cp=1 "
-                             "(dp and fsdp work), or the CLI's --unit-column under torchrun")
+        if self._units and p.cp > 1 and not p.pack_seq_len:
+            raise ValueError("DPTrainer: PrivacyArguments.unit_column with cp > 1 runs with packing only "
+                             "(pack_seq_len=...); or use cp=1 (dp and fsdp work)")
         self._delta = p.delta if p.delta is not None else _default_delta(N)
-        self._seq_len = max(len(row["input_ids"]) for row in dataset)
         self._pad_id = _pad_id(self.processing_class, self.model)
-        self._sampler = PoissonBatches(torch.arange(N), q, self.args.per_device_train_batch_size,
-                                       insecure_seed=p.insecure_seed)
+        rows = self.args.per_device_train_batch_size
+        if p.pack_seq_len:
+            units = self._units or [[i] for i in range(N)]
+            self._sampler = PackedPoissonBatches([[self._document(i) for i in unit] for unit in units], q,
+                                                 seq_len=p.pack_seq_len, rows=rows, unit_slots=unit_slots_for(rows),
+                                                 pad_id=self._pad_id, insecure_seed=p.insecure_seed)
+        else:
+            self._seq_len = max(len(row["input_ids"]) for row in dataset)
+            self._sampler = PoissonBatches(torch.arange(N), q, rows, insecure_seed=p.insecure_seed)
         steps = self.args.max_steps if self.args.max_steps > 0 else \
             math.ceil(self.args.num_train_epochs * len(self._sampler))
         sigma = p.noise_multiplier if p.noise_multiplier is not None else \
@@ -284,8 +298,19 @@ class DPTrainerMixin:
         _drop_input_require_grads_hooks(self.model)
         mesh, self._dp, self._dp_rank = self._mesh()
         self._dp_group = mesh["dp"].get_group() if self._dp > 1 else None
-        self.engine = lf.compile(CausalLMLoss(self.model), mesh, config=config, checkpoint=self._checkpoint,
-                                 fsdp=p.fsdp)
+        loss = PackedCausalLMLoss(self.model) if p.pack_seq_len else CausalLMLoss(self.model)
+        self.engine = lf.compile(loss, mesh, config=config, checkpoint=self._checkpoint, fsdp=p.fsdp,
+                                 packed_units=self._sampler.unit_slots if p.pack_seq_len else 0)
+
+    def _document(self, i: int) -> list[int]:
+        """Row ``i``'s token ids, one document for packing (which trains every token: labels = ids)."""
+        row = self._rows[i]
+        ids = [int(t) for t in row["input_ids"]]
+        if "labels" in row and [int(t) for t in row["labels"]] != ids:
+            raise ValueError(f"DPTrainer: packing (PrivacyArguments.pack_seq_len) trains every token of a document, "
+                             f"but row {i}'s labels differ from its input_ids; leave pack_seq_len unset to keep "
+                             "the labels")
+        return ids
 
     def _mesh(self):
         """(mesh or None, dp, this rank's dp index): under torchrun, world = dp x cp. The mesh's
@@ -375,8 +400,13 @@ class DPTrainerMixin:
         if hasattr(self.optimizer, "train"):
             self.optimizer.train()  # schedule-free optimizers keep train and eval weights
         loss, tokens = 0.0, 0
-        for (rows,), mask in inputs.share(self._dp_rank, self._dp):
-            ids, labels = self._physical(rows)
+        for tensors, mask in inputs.share(self._dp_rank, self._dp):
+            if self.privacy.pack_seq_len:  # (ids, labels, positions, unit slots); the slots say who is in it
+                batch = [t.to(self.args.device) for t in tensors]
+                loss += float(self.engine.accumulate(*batch))
+                tokens += int((batch[3] < self._sampler.unit_slots).sum())
+                continue
+            ids, labels = self._physical(tensors[0])
             loss += float(self.engine.accumulate(ids, labels, mask=mask))
             tokens += int(((labels[..., 1:] != -100).flatten(1).sum(1).cpu() * mask).sum())
         self.engine.finalize(inputs)

@@ -419,3 +419,39 @@ def test_a_unit_column_makes_each_persons_rows_one_unit_as_the_engine_loop_does(
         lm.zero_grad()
     for (name, ours), theirs in zip(model.named_parameters(), lm.parameters(), strict=True):
         assert torch.equal(ours, theirs), name
+
+
+def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, tmp_path):
+    """``pack_seq_len``: rows are documents of any length, packed into 4 x 32 physical batches,
+    each document one unit; the trainer's model equals the engine's loop over
+    ``PackedPoissonBatches`` of the same documents, bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(3, 300, (int(n),), generator=gen).tolist()
+            for n in torch.randint(4, 60, (24,), generator=gen)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
+                                          learning_rate=1e-2, save_strategy="no", report_to="none", use_cpu=True,
+                                          lr_scheduler_type="constant")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders[1])
+    trainer = DPTrainer(model=model, args=args, train_dataset=[{"input_ids": d} for d in docs],
+                        privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=8, pack_seq_len=32,
+                                                 insecure_seed=SEED))
+    trainer.train()
+    assert trainer.engine.captures == 1 and trainer.privacy_record()["privacy_arguments"]["pack_seq_len"] == 32
+
+    from longshield_fx.packing import PackedPoissonBatches
+
+    lm = transformers.AutoModelForCausalLM.from_pretrained(folders[1]).train()
+    sampler = PackedPoissonBatches([[d] for d in docs], 8 / len(docs), seq_len=32, rows=4, unit_slots=16,
+                                   pad_id=trainer.model.config.pad_token_id, insecure_seed=SEED)
+    engine = lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, insecure_seed=SEED), packed_units=16)
+    optimizer = transformers.Trainer(model=lm, args=args).create_optimizer()
+    draws = iter(sampler)
+    for _ in range(3):
+        batch = next(draws)
+        for tensors, _ in batch.physical:
+            engine.accumulate(*tensors)
+        engine.finalize(batch)
+        optimizer.step()
+        lm.zero_grad()
+    for (name, ours), theirs in zip(model.named_parameters(), lm.parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
