@@ -10,7 +10,8 @@ Multi-process checks run in ONE torchrun launch of ``runtime/cp_worker.py`` per 
 (``distributed``). Tests that read a launch are marked ``torchrun(world)``; the launches
 they need start in the background as soon as collection ends and those tests run last, so
 the launches run while the single-process tests do. The Hugging Face zoo (``hf_zoo.py``,
-its own process) runs after them the same way, for tests marked ``hf_zoo``. Both kinds are
+its own process) runs after them the same way, for tests marked ``hf_zoo``, and then the
+Trainer's torchrun launches (``hf_trainer_script.py``) for tests marked ``hf_trainer``. All are
 also ``slow``: ``-m "not slow"`` skips the background runs altogether.
 """
 from __future__ import annotations
@@ -150,6 +151,7 @@ def describe_collectives():
 
 WORKER = Path(__file__).parent / "runtime" / "cp_worker.py"
 ZOO = Path(__file__).parent / "hf_zoo.py"
+HF_TRAINER = Path(__file__).parent / "hf_trainer_script.py"
 LAUNCH_TIMEOUT_S = 1800
 # What a rank prints when it dies in C/C++: glibc's heap checks, std::terminate, faulthandler, ASan.
 _ABORT = re.compile(r"malloc\(\)|free\(\)|double free|corrupted|terminate called|Fatal Python error|"
@@ -177,13 +179,18 @@ class Launches:
         self.done: dict[int, tuple] = {}  # world -> (return code, log text, {rank: results})
 
     def _start(self, world):
-        """Start the launch of ``world`` ranks (or the zoo run, ``world == "zoo"``) unless it has
-        started; return its process. Under the lock."""
+        """Start the launch of ``world`` ranks (or the zoo run, ``world == "zoo"``, or the Trainer's
+        torchrun launches, ``"hf_trainer"``) unless it has started; return its process. Under the lock."""
         if world not in self.procs:
             out = Path(tempfile.mkdtemp(prefix=f"longshield-world{world}-"))
             log = open(out / "log.txt", "w+")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   str(WORKER), str(out)] if world != "zoo" else [sys.executable, str(ZOO), f"--json={out / 'zoo.json'}"]
+            if world == "zoo":
+                cmd = [sys.executable, str(ZOO), f"--json={out / 'zoo.json'}"]
+            elif world == "hf_trainer":
+                cmd = [sys.executable, str(HF_TRAINER), str(out)]
+            else:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                       str(WORKER), str(out)]
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # an aborted rank prints its stack
             # Its own session: the launch (torchrun and its ranks) can be ended by its group id.
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -210,6 +217,13 @@ class Launches:
             pytest.fail(f"tests/hf_zoo.py --json (exit {rc}) wrote no results:\n{text[-4000:]}", pytrace=False)
         return json.loads(found[0].read_text())
 
+    def hf_trainer(self) -> Path:
+        """The folder of ``hf_trainer_script.py``'s launches (model/, dp2cp2/, cp2/), once they ended."""
+        rc, text, _ = self.results("hf_trainer")
+        if rc != 0:
+            pytest.fail(f"tests/hf_trainer_script.py (exit {rc}):\n{_log_excerpt(text)}", pytrace=False)
+        return Path(self.procs["hf_trainer"][1])
+
     def results(self, world) -> tuple:
         """(return code, log, {rank: {check: results}}), waiting for the launch to end."""
         if world not in self.done:
@@ -224,7 +238,7 @@ class Launches:
                 rc = f"killed after {LAUNCH_TIMEOUT_S} s"
             log.seek(0)
             text = log.read()
-            ranks = {} if world == "zoo" else {r: torch.load(out / f"rank{r}.pt", weights_only=False)
+            ranks = {} if not isinstance(world, int) else {r: torch.load(out / f"rank{r}.pt", weights_only=False)
                                                for r in range(world) if (out / f"rank{r}.pt").exists()}
             # A rank's file is replaced whole (cp_worker._save); a missing one shows in ``check`` with the log.
             self.done[world] = (rc, text, ranks)
@@ -267,7 +281,7 @@ def distributed():
 def pytest_collection_modifyitems(config, items):
     """Tests that read a launch are ``slow`` (before -m deselects: the launch is slow, whatever
     the test takes) and run last, so the launches run while the other tests do."""
-    background = ("torchrun", "hf_zoo")
+    background = ("torchrun", "hf_zoo", "hf_trainer")
     for item in items:
         if any(item.get_closest_marker(m) is not None for m in background):
             item.add_marker(pytest.mark.slow)
@@ -281,6 +295,8 @@ def pytest_collection_finish(session):
                     reverse=True)  # the longer launch first
     if any(item.get_closest_marker("hf_zoo") is not None for item in session.items):
         worlds.append("zoo")
+    if any(item.get_closest_marker("hf_trainer") is not None for item in session.items):
+        worlds.append("hf_trainer")
     if worlds:
         _LAUNCHES.start_in_background(worlds)
 

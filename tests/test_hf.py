@@ -8,69 +8,17 @@ from __future__ import annotations
 import copy
 import difflib
 import json
-import os
-import subprocess
-import sys
 
+import datasets  # noqa: F401  (in the test extra: the script loads its text files with it)
 import pytest
 import torch
+import transformers
 
-import datasets  # noqa: F401  (in the test extra)
-import transformers  # noqa: E402
-
-import finetune_fixtures as ff  # noqa: E402
-import longshield_fx as lf  # noqa: E402
-from longshield_fx.hf import DPTrainer, PrivacyArguments  # noqa: E402
-
-SCRIPT = '''\
-import math
-from datasets import load_dataset
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer,
-                          TrainingArguments)
-
-tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-raw = load_dataset("text", data_files=DATA, sample_by="paragraph")["train"].train_test_split(test_size=0.2, seed=0)
-tokenized = raw.map(lambda examples: tokenizer(examples["text"]), batched=True, remove_columns=["text"])
-block_size = 32
-
-
-def group_texts(examples):
-    concatenated = {k: sum(examples[k], []) for k in examples.keys()}
-    total_length = len(concatenated[list(examples.keys())[0]]) // block_size * block_size
-    result = {k: [t[i : i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()}
-    result["labels"] = result["input_ids"].copy()
-    return result
-
-
-lm_dataset = tokenized.map(group_texts, batched=True)
-data_collator = DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm=False)
-model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
-training_args = TrainingArguments(output_dir=OUT, per_device_train_batch_size=4, max_steps=6, learning_rate=1e-3,
-                                  weight_decay=0.01, logging_steps=2, eval_strategy="steps", eval_steps=3,
-                                  save_steps=3, report_to="none", use_cpu=True)
-trainer = Trainer(
-    model=model,
-    args=training_args,
-    train_dataset=lm_dataset["train"],
-    eval_dataset=lm_dataset["test"],
-    data_collator=data_collator,
-    processing_class=tokenizer,
-)
-trainer.train()
-eval_results = trainer.evaluate()
-print(f"Perplexity: {math.exp(eval_results['eval_loss']):.2f}")
-trainer.save_model(OUT + "/final")
-'''
-
-PRIVATE = (SCRIPT
-           .replace("                          TrainingArguments)\n",
-                    "                          TrainingArguments)\n"
-                    "from longshield_fx.hf import DPTrainer, PrivacyArguments\n")
-           .replace("trainer = Trainer(\n",
-                    "trainer = DPTrainer(\n    privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=8, "
-                    "insecure_seed=SEED),\n"))
-SEED = 7
-
+import finetune_fixtures as ff
+import hf_trainer_script as hts
+import longshield_fx as lf
+from hf_trainer_script import NOISELESS, PRIVATE, SCRIPT, SEED
+from longshield_fx.hf import DPTrainer, PrivacyArguments
 
 def run(script: str, **names) -> dict:
     scope = dict(names, __name__="finetune_clm")
@@ -81,12 +29,7 @@ def run(script: str, **names) -> dict:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_trainer")
-    texts = ff.documents(40, seed=3)
-    tok = ff.tokenizer(texts)
-    model_dir = ff.save(ff.tiny_llama(len(tok)), tok, root / "model")
-    data = root / "notes.txt"
-    data.write_text("\n\n".join(t.strip() for t in texts) + "\n")
-    return root, str(model_dir), str(data)
+    return (root, *hts.folders(root))
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +96,6 @@ def test_released_model_equals_the_engine_loop_and_logs_the_accountants_epsilon(
     assert record["epsilon"] == trainer.engine.epsilon(delta) and record["steps"] == 6 and record["privacy_void"]
 
 
-NOISELESS = PRIVATE.replace("noise_multiplier=1.0", "noise_multiplier=0.0")
 
 
 @pytest.fixture(scope="module")
@@ -323,40 +265,26 @@ def test_trl_in_bf16_is_refused_instead_of_training_a_copy(folders, tmp_path):
         trainer.train()
 
 
-TORCHRUN = ("import os\nMODEL_DIR, DATA, OUT, SEED = os.environ['MODEL_DIR'], os.environ['DATA'], os.environ['OUT'], 7\n"
-            + NOISELESS.replace("insecure_seed=SEED)", "insecure_seed=SEED, cp=2, fsdp=os.environ['FSDP'].split(','))")
-            .replace("trainer.train()", "trainer.train(resume_from_checkpoint=os.environ.get('RESUME'))"))
-
-
-def _torchrun(nproc: int, script, **env) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **env))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-
-
 def _weights(folder) -> dict:
     return dict(transformers.AutoModelForCausalLM.from_pretrained(folder).named_parameters())
 
 
-@pytest.mark.slow
-def test_torchrun_dp2_cp2_fsdp_equals_one_process_and_resumes_on_2_ranks(folders, noiseless_run, tmp_path):
-    """The same script under torchrun: 4 gloo ranks as dp = 2 x cp = 2 with ZeRO-3 over both, and
-    its checkpoint-3 resumed on 2 ranks (cp = 2, sharded over cp). Noise 0: both end at the one-process
-    model within 1e-5; evaluation and the saved folder gather the shards."""
-    _, model_dir, data = folders
-    script = tmp_path / "finetune_clm.py"
-    script.write_text(TORCHRUN)
-    _torchrun(4, script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "dp2cp2"), FSDP="dp,cp")
-    _torchrun(2, script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "cp2"), FSDP="cp",
-              RESUME=str(tmp_path / "dp2cp2" / "checkpoint-3"))
-    one = dict(noiseless_run.model.named_parameters())
+@pytest.mark.hf_trainer
+def test_torchrun_dp2_cp2_fsdp_equals_one_process_and_resumes_on_2_ranks(distributed, folders, noiseless_run):
+    """The same script under torchrun (run in the background: ``hf_trainer_script.py``): 4 gloo ranks
+    as dp = 2 x cp = 2 with ZeRO-3 over both, and its checkpoint-3 resumed on 2 ranks (cp = 2,
+    sharded over cp). Noise 0: both end at the one-process model within 1e-5; evaluation and the
+    saved folder gather the shards."""
+    out = distributed.hf_trainer()
     start = _weights(folders[1])
-    assert max(float((one[n] - start[n]).abs().max()) for n in one) > 1e-3  # the steps moved the model
+    for name, p in _weights(out / "model").items():  # the launch built the same model as this module
+        assert torch.equal(p, start[name]), name
+    one = dict(noiseless_run.model.named_parameters())
+    assert max(float((one[n] - start[n]).detach().abs().max()) for n in one) > 1e-3  # the steps moved the model
     for run_dir in ("dp2cp2", "cp2"):
-        for name, p in _weights(tmp_path / run_dir / "final").items():
+        for name, p in _weights(out / run_dir / "final").items():
             torch.testing.assert_close(p, one[name], rtol=0, atol=1e-5, msg=f"{run_dir}: {name}")
-    state = json.loads((tmp_path / "cp2" / "checkpoint-6" / "trainer_state.json").read_text())
+    state = json.loads((out / "cp2" / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["global_step"] == 6 and any("eval_loss" in e for e in state["log_history"])
 
 
