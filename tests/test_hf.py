@@ -383,3 +383,13 @@ def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, 
         lm.zero_grad()
     for (name, ours), theirs in zip(model.named_parameters(), lm.parameters(), strict=True):
         assert torch.equal(ours, theirs), name
+
+
+def test_data_parallel_over_several_gpus_of_one_process_is_refused(folders, tmp_path, monkeypatch):
+    """``n_gpu > 1`` (the Trainer would wrap the model in DataParallel): one process per GPU instead.
+    No machine here has two GPUs, so the property says so."""
+    monkeypatch.setattr(transformers.TrainingArguments, "n_gpu", property(lambda self: 2))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match=r"^DPTrainer: TrainingArguments\.n_gpu > 1 \(DataParallel\): .*torchrun"):
+        DPTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]), args=args,
+                  privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4))
