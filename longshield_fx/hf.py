@@ -150,6 +150,11 @@ def _refusals(args: transformers.TrainingArguments) -> list[str]:
          "('nll'); set loss_type='nll'"),
         (getattr(args, "activation_offloading", False), "activation_offloading: the engine's graph keeps or "
          "recomputes activations itself; set it False"),
+        (getattr(args, "enable_jit_checkpoint", False), "enable_jit_checkpoint: it saves inside a step, after the "
+         "noise and before the optimizer, so the saved sampler and accountant run one step ahead of the model; "
+         "use save_strategy"),
+        (getattr(args, "parallelism_config", None) is not None, "parallelism_config: accelerate's own parallelism "
+         "does not run the engine; use PrivacyArguments(cp=..., fsdp=...)"),
         (getattr(args, "optim", "") in ("lomo", "adalomo"), "optim: LOMO fuses the update into the backward, "
          "which the engine runs before the noise; choose another optimizer"),
         *((True, f"report_to: {why}") for why in _artifact_uploads(args)),
@@ -225,6 +230,10 @@ class DPTrainerMixin:
         if self.compute_loss_func is not None:
             raise ValueError("DPTrainer: compute_loss_func is not supported: the per-unit loss is next-token "
                              "cross-entropy summed over the unit's tokens; leave it None")
+        if self.args.load_best_model_at_end and privacy.fsdp:
+            raise ValueError("DPTrainer: load_best_model_at_end with PrivacyArguments.fsdp: the best checkpoint would "
+                             "load whole tensors into sharded parameters; load it after training with "
+                             "from_pretrained instead")
         if self.optimizer is not None and privacy.fsdp:
             raise ValueError("DPTrainer: optimizers= with PrivacyArguments.fsdp: the optimizer would hold the "
                              "unsharded parameters that fsdp replaces; pass optimizer_cls_and_kwargs= instead")

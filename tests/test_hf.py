@@ -167,6 +167,7 @@ REFUSED = {
     "dataloader_drop_last": dict(dataloader_drop_last=True),
     "push_to_hub": dict(push_to_hub=True, hub_model_id="x/y"),
     "fp16": dict(fp16=True),
+    "enable_jit_checkpoint": dict(enable_jit_checkpoint=True),
     "report_to": dict(report_to=["mlflow"]),  # with HF_MLFLOW_LOG_ARTIFACTS set below
 }
 
