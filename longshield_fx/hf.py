@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader
 
 import longshield_fx as lf
 
+from .cli.corpus import default_delta  # the CLI's δ rule: one rule for both front doors
 from .data import LogicalBatch, PoissonBatches
 from .losses import CausalLMLoss, PackedCausalLMLoss
 from .packing import PackedPoissonBatches, unit_slots_for
@@ -286,7 +287,7 @@ class DPTrainerMixin:
         if self._units and p.cp > 1 and not p.pack_seq_len:
             raise ValueError("DPTrainer: PrivacyArguments.unit_column with cp > 1 runs with packing only "
                              "(pack_seq_len=...); or use cp=1 (dp and fsdp work)")
-        self._delta = p.delta if p.delta is not None else _default_delta(N)
+        self._delta = p.delta if p.delta is not None else default_delta(N)
         self._pad_id = _pad_id(self.processing_class, self.model)
         rows = self.args.per_device_train_batch_size
         if p.pack_seq_len:
@@ -565,12 +566,6 @@ def _on_rank_0(compute):
     answer = [compute() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(answer, src=0)
     return answer[0]
-
-
-def _default_delta(num_rows: int) -> float:
-    from .cli.corpus import default_delta
-
-    return default_delta(num_rows)
 
 
 def _pad_id(tokenizer, model) -> int:
