@@ -1,7 +1,8 @@
 """What only a GPU can show: exactness of CUDA kernels, dropout's CUDA RNG, and llama3.2-1b steps.
 
 ``packed``, ``step`` and ``dropout`` ran on an H100 (torch 2.11) on 2026-11-26: results in
-benchmarks/results/gpu_h100.md. ``zoo`` has not run on a GPU yet.
+benchmarks/results/gpu_h100.md. ``zoo`` and ``step`` ran on an H200 on 2026-11-27: results in
+benchmarks/results/gpu_h200.md.
 
     python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
     python benchmarks/gpu_check.py dropout
@@ -76,7 +77,8 @@ def zoo_worker(names: list[str], dtype: torch.dtype, out: str) -> None:
             ids, labels = hf_zoo.batch()
             ref64 = hf_zoo.loop_per_sample_grads(copy.deepcopy(model).double(), ids, labels)
         except Exception as e:
-            results[name] = {"status": "no tiny config", "detail": hf_zoo._first_line(e)}
+            results[name] = {"status": "no tiny config", "detail": f"{type(e).__name__}: {hf_zoo._first_line(e)}"}
+            print(f"{name:28s} {results[name]}", file=sys.stderr, flush=True)
             continue
         try:
             gpu = copy.deepcopy(model).to("cuda", dtype)
@@ -87,7 +89,7 @@ def zoo_worker(names: list[str], dtype: torch.dtype, out: str) -> None:
                 engine = lf.compile(gpu, config=lf.DPConfig(hf_zoo.CLIP, 0.0, compute_dtype=dtype))
                 ours = engine.per_sample_grads(ids_c, labels_c)
                 engine.accumulate(ids_c, labels_c)
-                engine.finalize(hf_zoo._logical())
+                engine.finalize(hf_zoo._logical(len(ids)))
             per_sample = _rel(ours, ref64)
             clipped = _rel({n: p.grad for n, p in gpu.named_parameters() if p.requires_grad},
                            hf_zoo.clipped_sum(ref64, hf_zoo.CLIP))
