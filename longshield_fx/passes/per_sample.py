@@ -354,6 +354,22 @@ class Packing:
                 node = self._derived[key] = build()
         return node
 
+    def sink_rows(self) -> None:
+        """Move every token-row copy (``tokens``, ``sorted``) to just before its first user.
+
+        ``_once`` makes a copy right after its input, which for a forward activation is in the
+        forward, while only the backward's per-unit gradients read it: there it would live from
+        the forward to the backward, a copy of every layer's activations at once, and activation
+        checkpointing would recompute its input in the forward to feed it.
+        """
+        position = {n: i for i, n in enumerate(self.graph.nodes)}
+        copies = sorted((n for n in self._derived.values() if not n._erased and n.users), key=position.__getitem__)
+        for node in reversed(copies):  # a copy read by another copy moves after that one has moved
+            first = node.next
+            while first not in node.users:
+                first = first.next
+            first.prepend(node)
+
     def unit_sum(self, param: str, node: fx.Node, dims, out_shape) -> fx.Node:
         """Per-unit ``sum(node, dims)`` where dims include the token dims: (U+1, *out_shape)."""
         if node.meta.get("per_unit"):  # one row per unit slot already (chunked_loss's head gradient)
@@ -473,6 +489,8 @@ def per_sample(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with gm.graph.inserting_before(output):
             dense_outputs.append(rw.densify(g))
     output.args = ((loss, *dense_outputs),)
+    if rw.packing:
+        rw.packing.sink_rows()
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
