@@ -343,7 +343,8 @@ class Packing:
                           lambda: self.call(aten.index_select.default, tokens, 0, order))
 
     def _once(self, key, inputs: list[fx.Node], build) -> fx.Node:
-        """One node per ``key``, right after the last of its ``inputs`` (so every user sees it defined)."""
+        """One node per ``key``, right after the last of its ``inputs`` (so every user sees it defined);
+        ``sink_rows`` moves it down to its first user once the pass has made every user."""
         node = self._derived.get(key)
         if node is None or node._erased:
             position = {n: i for i, n in enumerate(self.graph.nodes)}
