@@ -19,6 +19,8 @@ private API                                                        why
 ``torch._subclasses.fake_tensor.FakeTensorMode``, ``FakeTensor``     fake models (planner, tests); the packed
                                                                    isolation probe skips fake batches
 ``torch._ops.OpOverload``                                            "is this an aten overload with tags"
+``torch.fx._lazy_graph_module``                                     graph code generated once, when run or
+                                                                   read, not at each pass's recompile
 ``torch.ops._c10d_functional``                                       functional collectives in graphs
 ``torch.testing._internal.distributed.fake_pg``                      registers the "fake" process group
 ``torch.distributed.distributed_c10d._resolve_process_group``        a graph's group name -> its group
@@ -51,8 +53,8 @@ from torch._ops import OpOverload  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401  (re-exported)
 
 __all__ = ["BatchArg", "COLLECTIVES", "GUARDS", "DynamoGuards", "FakeTensor", "FakeTensorMode", "OpOverload", "c10d", "descriptors",
-           "dtensor_batch_dims", "export_joint", "fake_world", "flattened_group", "sharding_mesh", "swapped_tensors",
-           "resolve_process_group"]
+           "dtensor_batch_dims", "export_joint", "fake_world", "flattened_group", "graph_module", "sharding_mesh",
+           "swapped_tensors", "resolve_process_group"]
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = {c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
@@ -72,6 +74,15 @@ class CaptureError(Exception):
     data-dependent shape, an unsupported Python construct)."""
 
 
+def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)`` whose Python code is generated when it is first run or its
+    code read, not at every ``recompile()``: a lowering rewrites and recompiles a graph once per
+    pass, and only the last graph's code is ever used (the planner's never is)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
+
+
 def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.GraphModule, object]:
     """The aot-autograd joint graph of ``model(*example_batch)`` and its fake mode.
 
@@ -83,13 +94,14 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
     from torch._dynamo.functional_export import dynamo_graph_capture_for_export
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     import torch.fx.traceback as fx_traceback
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     # ``allow_rnn``: dynamo refuses nn.RNN/GRU/LSTM by default; traced, they are aten's RNN ops,
     # which aot-autograd decomposes into per-step matmuls and pointwise ops (the CPU's oneDNN
     # LSTM kernel, ``mkldnn_rnn_layer``, is switched off so the LSTM decomposes too).
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True,
                                     allow_rnn=True), \
-            _without_onednn(), \
+            _without_onednn(), _use_lazy_graph_module(True), \
             fx_traceback.preserve_node_meta(), _buffer_flags_readable():
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -104,6 +116,7 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._guards.tracing(dynamo_gm.meta["tracing_context"]))
         stack.enter_context(_without_onednn())
+        stack.enter_context(_use_lazy_graph_module(True))
         joint = aot_export_joint_with_descriptors(stack, dynamo_gm, tuple(example_batch))
     joint.graph_module.meta[GUARDS] = guards
     return joint.graph_module, joint.fake_mode

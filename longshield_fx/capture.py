@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._torch import CaptureError, OpOverload, descriptors as d, export_joint
+from ._torch import CaptureError, OpOverload, descriptors as d, export_joint, graph_module
 from ._transformers import for_capture
 from .errors import UnsupportedModelError
 
@@ -61,7 +61,7 @@ class CapturedGraph:
         graph._codegen = self.gm.graph._codegen
         env: dict[fx.Node, fx.Node] = {}
         graph.output(graph.graph_copy(self.gm.graph, env))
-        gm = fx.GraphModule(self.gm, graph)
+        gm = graph_module(self.gm, graph)
         gm.meta.update(self.gm.meta)
         return CapturedGraph(gm, self.fake_mode, list(self.inputs), list(self.param_names),
                              {n: env[g] for n, g in self.grad_nodes.items() if g in env}, list(self.mutations))
