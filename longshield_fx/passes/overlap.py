@@ -9,7 +9,7 @@ reduce-scatter is in flight. The all-gathers of sharded parameters (``gather_par
 are prefetched instead: grouped by the transformer block (and phase, forward or backward)
 of their first use, each group is issued right before the previous group's first use, so a
 block's parameters travel while the block before it computes. The new order is a
-topological sort (networkx, on the graph's data edges) keyed by original position, waits
+topological sort (on the graph's data edges) keyed by original position, waits
 keyed by their first consumer, parameter gathers by their prefetch point.
 
 Caps: at most ``max_in_flight`` collectives outstanding and at most ``max_pinned_bytes`` of
@@ -28,7 +28,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -87,10 +86,7 @@ def schedule(graph: fx.Graph, limits: OverlapLimits) -> list[fx.Node]:
         if node in deferred and node.users:
             key[node] = min(key[u] for u in node.users) - 1e-3
     key.update(_prefetch_keys(nodes, key))
-    dag = nx.DiGraph()
-    dag.add_nodes_from(nodes)
-    dag.add_edges_from((i, n) for n in nodes for i in n.all_input_nodes)
-    missing = {n: dag.in_degree(n) for n in nodes}
+    missing = {n: len(n.all_input_nodes) for n in nodes}  # inputs not yet emitted
     ready = [(key[n], i, n) for i, n in enumerate(nodes) if missing[n] == 0]
     heapq.heapify(ready)
     index = {n: i for i, n in enumerate(nodes)}
@@ -105,7 +101,7 @@ def schedule(graph: fx.Graph, limits: OverlapLimits) -> list[fx.Node]:
             outstanding.append(node)
         elif node.target == c10d.wait_tensor.default and node.args[0] in outstanding:
             outstanding.remove(node.args[0])
-        for user in dag.successors(node):
+        for user in node.users:
             missing[user] -= 1
             if missing[user] == 0:
                 heapq.heappush(ready, (key[user], index[user], user))

@@ -25,9 +25,13 @@ import math
 import numbers
 from typing import Any
 
-import dp_accounting
-from dp_accounting.pld import privacy_loss_distribution as _pld_lib
-from dp_accounting import rdp as _rdp
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import dp_accounting
+
+# dp_accounting (and the scipy under it) is imported where it is first used, not with this
+# module: it is 0.9 s of every process's start, and only the rank that reports epsilon composes.
 
 
 class _ExcludedOrders(logging.Filter):
@@ -82,6 +86,8 @@ def _check_count(name: str, value: Any, minimum: int) -> None:
 
 def _step_event(noise_multiplier: float, sample_rate: float) -> dp_accounting.DpEvent:
     """One DP-SGD step: a Poisson-sampled Gaussian mechanism."""
+    import dp_accounting
+
     return dp_accounting.PoissonSampledDpEvent(
         sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
     )
@@ -93,7 +99,9 @@ def _gaussian_step_pld(noise_multiplier: float, sample_rate: float, interval: fl
     connect-the-dots, add-or-remove-one). Kept for the last few (sigma, q): building one is a
     Python loop over every discretisation point (about 1 s at sigma = 0.35, interval 1e-4),
     and calibration's answer is the sigma the accountant asks for next."""
-    return _pld_lib.from_gaussian_mechanism(
+    from dp_accounting.pld import privacy_loss_distribution
+
+    return privacy_loss_distribution.from_gaussian_mechanism(
         standard_deviation=noise_multiplier, sampling_prob=sample_rate,
         value_discretization_interval=interval)
 
@@ -118,8 +126,10 @@ class _PLDSteps:
     INTERVAL = 1e-4  # PLDAccountant's default value_discretization_interval
 
     def __init__(self, interval: float = INTERVAL) -> None:
+        from dp_accounting.pld import privacy_loss_distribution
+
         self._interval = interval
-        self._pld = _pld_lib.identity(value_discretization_interval=interval)
+        self._pld = privacy_loss_distribution.identity(value_discretization_interval=interval)
 
     def compose(self, noise_multiplier: float, sample_rate: float, n: int) -> None:
         self._pld = self._pld.compose(_gaussian_steps_pld(noise_multiplier, sample_rate, self._interval, n))
@@ -132,7 +142,9 @@ class _RdpSteps:
     """RDP composition through ``RdpAccountant``."""
 
     def __init__(self) -> None:
-        self._accountant = _rdp.RdpAccountant()
+        from dp_accounting import rdp
+
+        self._accountant = rdp.RdpAccountant()
 
     def compose(self, noise_multiplier: float, sample_rate: float, n: int) -> None:
         self._accountant.compose(_step_event(noise_multiplier, sample_rate), n)
@@ -167,9 +179,9 @@ class PrivacyAccountant:
     def _reset(self, runs: list[tuple[float, float, int]]) -> None:
         self._runs = list(runs)
         self._num_steps = sum(n for _, _, n in runs)
-        # Runs recorded but not yet composed into self._accountant.
+        # Runs recorded but not yet composed into self._accountant, which the first epsilon makes.
         self._pending = list(runs)
-        self._accountant = _PLDSteps() if self._method == "pld" else _RdpSteps()
+        self._accountant: _PLDSteps | _RdpSteps | None = None
         # A noiseless step makes epsilon infinite for good; it is never composed.
         self._non_private = any(s == 0.0 for s, _, _ in runs)
         self._cache: dict[float, float] = {}
@@ -223,6 +235,8 @@ class PrivacyAccountant:
         elif self._non_private:
             eps = math.inf  # a noiseless release is not private at any epsilon
         else:
+            if self._accountant is None:
+                self._accountant = _PLDSteps() if self._method == "pld" else _RdpSteps()
             while self._pending:
                 s, q, n = self._pending[0]
                 self._accountant.compose(s, q, n)

@@ -26,7 +26,6 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .._torch import FakeTensorMode, sharding_mesh, swapped_tensors
 from ..errors import UnsupportedModelError
@@ -39,6 +38,10 @@ class Sharding:
     whether the backward gathers again (``reshard_after_forward``)."""
 
     def __init__(self, mesh, dims: tuple[str, ...], reshard_after_forward: bool = True):
+        # DTensor is imported here and in the methods below, not with this module: it is 0.7 s
+        # of every process's start, and only a sharded engine uses it.
+        from torch.distributed.tensor import Replicate, Shard
+
         self.reshard_after_forward = reshard_after_forward
         names = tuple(mesh.mesh_dim_names or ())
         unknown = [d for d in dims if d not in names]
@@ -104,6 +107,8 @@ class Sharding:
     def unshard_model(self, model: nn.Module) -> None:
         """Replace every sharded parameter by its whole tensor (a collective: every rank calls
         it), e.g. to write the trained model; the engine cannot run the model afterwards."""
+        from torch.distributed.tensor import DTensor
+
         new: dict[int, nn.Parameter] = {}
         for module in model.modules():
             for name, p in list(module._parameters.items()):
@@ -118,11 +123,15 @@ class Sharding:
         collective: every rank enters it), e.g. to evaluate it eagerly; the shards, which the
         engine and the optimizer hold, are back on exit. Every rank holds the whole model
         meanwhile, as ``unshard_model`` leaves it."""
+        from torch.distributed.tensor import DTensor
+
         whole = {name: p.full_tensor().detach() for name, p in model.named_parameters() if isinstance(p, DTensor)}
         with swapped_tensors(model, whole):
             yield model
 
     def _sharded(self, p: nn.Parameter, name: str) -> nn.Parameter:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         if isinstance(p, DTensor):
             if p.device_mesh != self.mesh or tuple(p.placements) != self.placements:
                 raise ValueError(f"compile: parameter {name} is already a DTensor on {p.device_mesh} with "
@@ -148,6 +157,8 @@ class Sharding:
 
     def to_param_grad(self, shard: torch.Tensor, p: DTensor) -> DTensor:
         """A padded gradient shard of ``p`` as a DTensor laid out like ``p``."""
+        from torch.distributed.tensor import DTensor
+
         rows = p.to_local().shape[0]
         return DTensor.from_local(shard[:rows].to(p.dtype).contiguous(), self.mesh, self.placements,
                                   run_check=False, shape=p.shape, stride=p.stride())

@@ -8,6 +8,7 @@ import dp_accounting
 import pytest
 import torch
 from dp_accounting import pld, rdp
+from dp_accounting.pld import privacy_loss_distribution
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,13 +130,13 @@ class _Counting:
 
 def test_pld_builds_each_distinct_step_once(monkeypatch):
     built = []
-    original = accounting._pld_lib.from_gaussian_mechanism
+    original = privacy_loss_distribution.from_gaussian_mechanism
 
     def counting(**kwargs):
         built.append((kwargs["standard_deviation"], kwargs["sampling_prob"]))
         return original(**kwargs)
 
-    monkeypatch.setattr(accounting._pld_lib, "from_gaussian_mechanism", counting)
+    monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism", counting)
     accounting._gaussian_step_pld.cache_clear()
     accounting._gaussian_steps_pld.cache_clear()
     acc = PrivacyAccountant("pld")
@@ -377,8 +378,8 @@ def test_pld_calibration_asks_the_reporting_accountant_at_few_sigmas(monkeypatch
     assert list(asked) == [None, *calibration._PLD_INTERVALS]  # RDP first, then PLD coarse to fine
     assert len(asked[accounting._PLDSteps.INTERVAL]) <= 3
     built = []
-    original = accounting._pld_lib.from_gaussian_mechanism
-    monkeypatch.setattr(accounting._pld_lib, "from_gaussian_mechanism",
+    original = privacy_loss_distribution.from_gaussian_mechanism
+    monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism",
                         lambda **kw: built.append(kw) or original(**kw))
     acc = PrivacyAccountant("pld")
     acc.step(sigma, 0.1)
