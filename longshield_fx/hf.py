@@ -45,6 +45,7 @@ from .cli.corpus import default_delta  # the CLI's δ rule: one rule for both fr
 from .data import LogicalBatch, PoissonBatches
 from .losses import CausalLMLoss, PackedCausalLMLoss
 from .packing import PackedPoissonBatches, unit_slots_for
+from .runtime.calibration import calibrate_noise_on_rank_0
 
 __all__ = ["DPTrainer", "DPTrainerMixin", "DPSFTTrainer", "PrivacyArguments"]
 
@@ -301,7 +302,7 @@ class DPTrainerMixin:
         steps = self.args.max_steps if self.args.max_steps > 0 else \
             math.ceil(self.args.num_train_epochs * len(self._sampler))
         sigma = p.noise_multiplier if p.noise_multiplier is not None else \
-            _on_rank_0(lambda: lf.calibrate_noise(p.target_epsilon, self._delta, q, steps, method=p.accountant))
+            calibrate_noise_on_rank_0(p.target_epsilon, self._delta, q, steps, method=p.accountant)
         config = lf.DPConfig(p.max_grad_norm, sigma, clipping=p.clipping, accountant=p.accountant,
                              insecure_seed=p.insecure_seed,
                              compute_dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
@@ -555,17 +556,6 @@ def _units(dataset, column: str) -> list[list[int]]:
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
     return list(groups.values())
-
-
-def _on_rank_0(compute):
-    """``compute()`` on rank 0, its answer on every rank (calibration is seconds of CPU each)."""
-    import torch.distributed as dist
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return compute()
-    answer = [compute() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(answer, src=0)
-    return answer[0]
 
 
 def _pad_id(tokenizer, model) -> int:

@@ -278,6 +278,7 @@ CP_CASES = {
 }
 CP_CLIP = 0.05  # max_grad_norm of the distributed cases: small enough that samples are clipped
 CP_NOISE_SEED, CP_NOISE_E = 7, 4.0  # the noisy run: insecure_seed, and the expected batch size it divides by
+CALIBRATION = (8.0, 1e-5, 1.0, 1)  # cp_worker's "calibration": target ε, δ, q, steps (one Gaussian release: fast)
 
 
 CP_STEPS, CP_LR = 3, 0.5  # the training run: SGD steps (noise 0) on each replica's batch

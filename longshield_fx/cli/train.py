@@ -412,23 +412,14 @@ def _decide_sigma(job: Job) -> dict | None:
 
 
 def _calibrated_sigma(job: Job) -> float:
-    """σ calibrated to --target-epsilon on rank 0 and broadcast: every rank would reach the same
-    number at the same CPU cost (seconds of PLD), and ranks sharing a machine share its cores."""
-    import torch.distributed as dist
+    """σ calibrated to --target-epsilon (on rank 0, broadcast to every rank)."""
+    from ..runtime.calibration import calibrate_noise_on_rank_0
 
-    import longshield_fx as lf
-
-    args, answer = job.args, [None, None]  # (σ, the one-line error)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            answer[0] = lf.calibrate_noise(args.target_epsilon, job.delta, job.q, args.steps, method=args.accountant)
-        except ValueError as e:  # an unreachable target, a vacuous δ: the flags, not the program
-            answer[1] = f"--target-epsilon {args.target_epsilon:g} with --delta {job.delta:g}: {e}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(answer, src=0)
-    if answer[1] is not None:
-        raise CLIError(answer[1])
-    return answer[0]
+    args = job.args
+    try:
+        return calibrate_noise_on_rank_0(args.target_epsilon, job.delta, job.q, args.steps, method=args.accountant)
+    except ValueError as e:  # an unreachable target, a vacuous δ: the flags, not the program
+        raise CLIError(f"--target-epsilon {args.target_epsilon:g} with --delta {job.delta:g}: {e}") from None
 
 
 def _listed(diffs: list[str]) -> str:

@@ -209,3 +209,25 @@ def calibrate_noise(
                 tol=_CALIBRATION_LOG_TOL)
         step = _CALIBRATION_LOG_TOL
     return SIGMA_MIN if bracket is None else math.exp(x)
+
+
+def calibrate_noise_on_rank_0(target_epsilon: float, delta: float, sample_rate: float, steps: int,
+                              method: str = DEFAULT_METHOD) -> float:
+    """``calibrate_noise`` on rank 0 of the default process group and its answer on every rank:
+    every rank would reach the same sigma at the same cost (seconds of PLD), and ranks sharing a
+    machine share its cores. A target it cannot meet raises the same ``ValueError`` on every
+    rank (rank 0 failing alone would leave the others waiting for its answer forever)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return calibrate_noise(target_epsilon, delta, sample_rate, steps, method)
+    answer: list = [None, None]  # (sigma, the error's message)
+    if dist.get_rank() == 0:
+        try:
+            answer[0] = calibrate_noise(target_epsilon, delta, sample_rate, steps, method)
+        except ValueError as e:
+            answer[1] = str(e)
+    dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise ValueError(answer[1])
+    return answer[0]

@@ -43,8 +43,8 @@ from longshield_fx.cli.inspect import collective_bytes  # noqa: E402
 from longshield_fx.passes._graph import is_head_all_to_all  # noqa: E402
 from longshield_fx.ops import ring_attention as ra  # noqa: E402
 from longshield_fx.runtime.noise import NoiseGenerator  # noqa: E402
-from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, DROPOUT_SEEDS,  # noqa: E402
-                     attention_inputs, case_batches, case_model, causal_attention, document_attention,
+from oracles import (CALIBRATION, CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS,  # noqa: E402
+                     DROPOUT_SEEDS, attention_inputs, case_batches, case_model, causal_attention, document_attention,
                      gpt2_embedding_dropout, logical, packed_segments, tiny_llama)
 from oracles import (PACKED_C, PACKED_CFG, PACKED_ROWS, PACKED_T, PACKED_U, packed_model,  # noqa: E402
                      packed_units)
@@ -389,6 +389,19 @@ def model_rng() -> dict:
     return {"inside": inside, "after": torch.rand(4)}
 
 
+def calibration() -> dict:
+    """``calibrate_noise_on_rank_0`` on 2 ranks: a target it meets (σ on every rank) and a vacuous
+    one (δ above the chance of ever sampling a unit), whose error must reach every rank."""
+    from longshield_fx.runtime.calibration import calibrate_noise_on_rank_0
+
+    out = {"sigma": calibrate_noise_on_rank_0(*CALIBRATION, method="rdp")}
+    try:
+        calibrate_noise_on_rank_0(1.0, 0.05, 0.01, 1, method="rdp")
+    except ValueError as e:
+        out["vacuous"] = str(e)
+    return out
+
+
 def dropout() -> dict:
     """cp=2 in train mode, GPT-2 with embedding dropout (``oracles.gpt2_embedding_dropout``):
     per-sample gradients from torch seed DROPOUT_SEEDS[0] twice and from DROPOUT_SEEDS[1] once,
@@ -476,6 +489,7 @@ def main():
             record(f"packed-{kind}", packed_case, kind)
     if world == 2 and not only:
         record("model_rng", model_rng)
+        record("calibration", calibration)
         record("dropout", dropout)
         record("dead_peer", dead_peer)
         os._exit(0)  # the default group has a dead peer: do not wait for it at teardown

@@ -15,8 +15,8 @@ import torch
 import longshield_fx as lf
 
 from longshield_fx.ops.ring_attention import blocks_per_rank, zigzag_index
-from oracles import (CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, DROPOUT_P, attention_shape,
-                     case_batches, case_model, gpt2_embedding_dropout, logical)
+from oracles import (CALIBRATION, CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, DROPOUT_P,
+                     attention_shape, case_batches, case_model, gpt2_embedding_dropout, logical)
 
 CASES = [pytest.param(name, marks=pytest.mark.torchrun(world), id=name)
          for name, (world, *_) in CP_CASES.items()]
@@ -298,6 +298,15 @@ def test_each_rank_draws_its_own_dropout_masks_and_ranks_stay_in_step(distribute
     r = distributed.check(2, "model_rng")
     assert not torch.equal(r[0]["inside"], r[1]["inside"])
     assert torch.equal(r[0]["after"], r[1]["after"])
+
+
+@pytest.mark.torchrun(2)
+def test_noise_is_calibrated_on_rank_0_and_its_answer_or_its_error_reaches_every_rank(distributed):
+    """The CLI and DPTrainer calibrate σ on rank 0 only; an error there (here a vacuous δ) is
+    raised on every rank, not only on rank 0 while the others wait for its answer."""
+    r = distributed.check(2, "calibration")
+    assert r[0]["sigma"] == r[1]["sigma"] == lf.calibrate_noise(*CALIBRATION, method="rdp")
+    assert r[0]["vacuous"] == r[1]["vacuous"] and "the guarantee is vacuous" in r[0]["vacuous"]
 
 
 # --- dropout under cp=2 end to end (issue 13): cp_worker's "dropout", GPT-2 with embedding dropout ----
