@@ -23,9 +23,7 @@ import functools
 import logging
 import math
 import numbers
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import dp_accounting

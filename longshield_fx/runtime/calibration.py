@@ -216,7 +216,8 @@ def calibrate_noise_on_rank_0(target_epsilon: float, delta: float, sample_rate: 
     """``calibrate_noise`` on rank 0 of the default process group and its answer on every rank:
     every rank would reach the same sigma at the same cost (seconds of PLD), and ranks sharing a
     machine share its cores. A target it cannot meet raises the same ``ValueError`` on every
-    rank (rank 0 failing alone would leave the others waiting for its answer forever)."""
+    rank (had rank 0 raised alone, the others would fail on its closed connection, or wait for an
+    answer that never comes while it lives on)."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
