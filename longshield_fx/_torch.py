@@ -36,6 +36,8 @@ private API                                                        why
 ``_get_backend``                                                     (``serial_gloo``)
 ``torch.nn.modules.module._global_*hooks``, a module's ``_*hooks``    hooked models keep their own
                                                                    traces (``runtime.traces``)
+``DeviceMesh._pg_registry``                                           a mesh's groups let go at the end
+                                                                   (``destroy_process_groups``)
 =================================================================  ======================================
 """
 from __future__ import annotations
@@ -47,13 +49,18 @@ import warnings
 
 import torch
 import torch.distributed as dist
+# Imported with this package, before any default process group exists: its functions take
+# ``group=group.WORLD`` as a default argument, so imported later (DCP imports it, at our first
+# checkpoint) they hold the default group for good, past destroy_process_group (see
+# destroy_process_groups). 7 ms.
+import torch.distributed.nn.functional  # noqa: F401
 import torch.fx as fx
 from torch._functorch._aot_autograd import descriptors  # noqa: F401  (re-exported)
 from torch._ops import OpOverload  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401  (re-exported)
 
 __all__ = ["BatchArg", "COLLECTIVES", "GUARDS", "DynamoGuards", "FakeTensor", "FakeTensorMode", "OpOverload", "c10d", "descriptors",
-           "dtensor_batch_dims", "export_joint", "fake_world", "flattened_group", "graph_module", "sharding_mesh",
+           "destroy_process_groups", "dtensor_batch_dims", "export_joint", "fake_world", "flattened_group", "graph_module", "sharding_mesh",
            "swapped_tensors", "resolve_process_group"]
 
 c10d = torch.ops._c10d_functional
@@ -230,6 +237,41 @@ def fake_world(cp: int, dp: int = 1, hp: int = 1, rank: int = 0):
         yield init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
     finally:
         dist.destroy_process_group()
+
+
+def destroy_process_groups(peers_finished: bool) -> None:
+    """``dist.destroy_process_group()``, and the groups really gone when it returns.
+
+    c10d's destroy drops c10d's own references only. A DeviceMesh keeps its groups
+    (``DeviceMesh._pg_registry``, torch 2.13), and a mesh lives as long as anything holds it:
+    the engine, DTensor parameters, DTensor's sharding caches. A gloo group kept alive runs its
+    worker and transport threads on into interpreter finalization, where a worker thread that
+    lets go of a tensor takes the GIL of an interpreter being torn down, and the process aborts
+    ("terminate called without an active exception"; pytorch/pytorch#179291 reports the same
+    abort for groups that were never destroyed). So every live mesh forgets its groups here: the
+    last references go, and each group's threads are joined while the interpreter is whole.
+
+    ``peers_finished``: every rank got here after the same collectives (the run ended normally). A
+    barrier then lets each rank's last collectives finish, so joining the worker threads cannot
+    wait on a transfer. Otherwise (an error, a peer may be gone) the groups are only destroyed:
+    joining a worker blocked on a dead peer would hold this rank's error back for the timeout."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        return
+    if peers_finished:
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer is gone after all
+            peers_finished = False
+    dist.destroy_process_group()
+    if peers_finished:
+        gc.collect()  # the run's objects in reference cycles, groups among them, go now, not at exit
+        for obj in gc.get_objects():
+            if isinstance(obj, DeviceMesh):
+                obj._pg_registry.clear()
 
 
 def in_fake_world() -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -35,7 +34,7 @@ import longshield_fx as lf
 from longshield_fx import _torch
 from longshield_fx.passes import Lowered
 
-from oracles import tiny_llama, token_batch, vmap_per_sample_grads
+from oracles import log_excerpt, tiny_llama, token_batch, vmap_per_sample_grads
 
 
 def pytest_configure(config):
@@ -153,21 +152,6 @@ WORKER = Path(__file__).parent / "runtime" / "cp_worker.py"
 ZOO = Path(__file__).parent / "hf_zoo.py"
 HF_TRAINER = Path(__file__).parent / "hf_trainer_script.py"
 LAUNCH_TIMEOUT_S = 1800
-# What a rank prints when it dies in C/C++: glibc's heap checks, std::terminate, faulthandler, ASan.
-_ABORT = re.compile(r"malloc\(\)|free\(\)|double free|corrupted|terminate called|Fatal Python error|"
-                    r"AddressSanitizer|Segmentation fault")
-
-
-def _log_excerpt(text: str, tail: int = 4000) -> str:
-    """The log's tail, led by the first lines that say why a rank died (a rank's abort and its
-    faulthandler stack scroll out of the tail behind torchrun's report of it)."""
-    found = _ABORT.search(text, 0, max(0, len(text) - tail))
-    if not found:
-        return text[-tail:]
-    start = text.rfind("\n", 0, found.start()) + 1
-    return text[start:start + 6000] + "\n[…]\n" + text[-tail:]
-
-
 class Launches:
     """torchrun launches of cp_worker.py: at most one per world size per session, one at a
     time (a launch of N ranks already keeps both cores busy)."""
@@ -221,7 +205,7 @@ class Launches:
         """The folder of ``hf_trainer_script.py``'s launches (model/, dp2cp2/, cp2/), once they ended."""
         rc, text, _ = self.results("hf_trainer")
         if rc != 0:
-            pytest.fail(f"tests/hf_trainer_script.py (exit {rc}):\n{_log_excerpt(text)}", pytrace=False)
+            pytest.fail(f"tests/hf_trainer_script.py (exit {rc}):\n{log_excerpt(text)}", pytrace=False)
         return Path(self.procs["hf_trainer"][1])
 
     def results(self, world) -> tuple:
@@ -253,7 +237,7 @@ class Launches:
                   and isinstance(ranks[r][name].get("error"), str) and "Traceback" in ranks[r][name]["error"]]
         if errors or (missing and name != "dead_peer"):
             pytest.fail(f"cp_worker (world {world}, exit {rc}) has no result for {name!r} on ranks {missing}:\n"
-                        + "\n".join(errors) + "\n--- log ---\n" + _log_excerpt(text), pytrace=False)
+                        + "\n".join(errors) + "\n--- log ---\n" + log_excerpt(text), pytrace=False)
         return {r: ranks[r][name] for r in range(world) if name in ranks.get(r, {})}
 
     def close(self) -> None:

@@ -1,5 +1,7 @@
 """Shared test oracles (what our results are compared against) and the tiny models and batches
-they run on. Imported by tests, ``conftest.py`` and ``runtime/cp_worker.py`` alike."""
+they run on, and how a failed launch is reported. Imported by tests, ``conftest.py`` and
+``runtime/cp_worker.py`` alike."""
+import re
 from typing import NamedTuple
 
 import torch
@@ -346,3 +348,20 @@ def assert_exact_with_clipped_sum(model: nn.Module, batch) -> dict:
     assert bool((norms > hf_zoo.CLIP).any()), "the check must clip some sample"
     assert hf_zoo.error_of_ours(model, *batch, ref) < 1e-5
     return ref
+
+
+# --- a failed launch's log ---------------------------------------------------------------------------
+
+# What a rank prints when it dies in C/C++: glibc's heap checks, std::terminate, faulthandler, ASan.
+_ABORT = re.compile(r"malloc\(\)|free\(\)|double free|corrupted|terminate called|Fatal Python error|"
+                    r"AddressSanitizer|Segmentation fault")
+
+
+def log_excerpt(text: str, tail: int = 4000) -> str:
+    """The log's tail, led by the first lines that say why a rank died (a rank's abort and its
+    faulthandler stack scroll out of the tail behind torchrun's report of it)."""
+    found = _ABORT.search(text, 0, max(0, len(text) - tail))
+    if not found:
+        return text[-tail:]
+    start = text.rfind("\n", 0, found.start()) + 1
+    return text[start:start + 6000] + "\n[…]\n" + text[-tail:]

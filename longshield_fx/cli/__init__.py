@@ -68,8 +68,11 @@ def _run(argv) -> int:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv  # which flags were given (``train --resume DIR`` takes the others from the run)
     prefix = f"{PROG} {args.command}"
+    finished = False
     try:
-        return args.func(args)
+        code = args.func(args)
+        finished = True
+        return code
     except (CLIError, DataError) as e:
         print(f"{prefix}: error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -86,7 +89,9 @@ def _run(argv) -> int:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            from .._torch import destroy_process_groups
+
+            destroy_process_groups(peers_finished=finished)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 from cli_runs import (FAST, SHORT, assert_bit_identical, env, load_state, metric_rows, reported_epsilon, run_cli,
                       run_in_process, train_losses)
 from longshield_fx import cli
+from oracles import log_excerpt
 from longshield_fx.cli.checkpoints import atomic_save, list_checkpoints
 from longshield_fx.cli.corpus import DELTA_RULE, default_delta, stdlib_corpus, stdlib_files
 
@@ -488,7 +489,7 @@ def test_torchrun_packed_documents_over_dp_cp_and_fsdp_train_as_one_process(tmp_
         out = run_cli(*args, *flags, "--out", run, cwd=tmp_path, timeout=600, launcher=[
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
             "-m", "longshield_fx"])
-        assert out.returncode == 0, (run, out.stderr[-3000:])
+        assert out.returncode == 0, (run, log_excerpt(out.stderr))
         assert world in out.stdout and "not packed" not in out.stdout and packed in out.stdout, run
         assert reported_epsilon(out.stdout) == reported_epsilon(one), run
         assert out.stdout.count("privacy: ε =") == 1, run  # only rank 0 prints
@@ -525,7 +526,7 @@ def test_torchrun_restarts_a_run_whose_rank_died_from_its_newest_complete_checkp
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     restarted = run_cli(*args, "--out", "run", cwd=tmp_path,
                         launcher=torchrun[:3] + ["--max-restarts", "1"] + torchrun[3:] + ["restarted.py", "6"])
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert restarted.returncode == 0, log_excerpt(restarted.stderr)
     assert "ckpt-00000004.pt at step 4/8" in restarted.stdout, restarted.stdout
     rows = metric_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, 9))  # the killed attempt's rows 5, 6 were redone once
@@ -537,7 +538,7 @@ def test_torchrun_restarts_a_run_whose_rank_died_from_its_newest_complete_checkp
         (by_hand / "checkpoints" / f"ckpt-0000000{step}.pt").unlink()
     (by_hand / "final_model.pt").unlink()
     resumed = run_cli("train", "--resume", "by_hand", "--cp", 2, cwd=tmp_path, launcher=torchrun + ["-m", "longshield_fx"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, log_excerpt(resumed.stderr)
     final, again = load_state(tmp_path / "run" / "final_model.pt"), load_state(by_hand / "final_model.pt")
     for name in final:
         torch.testing.assert_close(again[name], final[name], rtol=0, atol=1e-6, msg=name)
@@ -589,7 +590,7 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
             "--max-rows", 2, "--eval-fraction", 0.25, "--eval-every", 1, "--log-private-stats", "--no-pack"]
     four = run_cli(*args, "--cp", 2, "--fsdp", "dp,cp", "--out", "run", cwd=tmp_path,
                    launcher=torchrun + ["4", "-m", "longshield_fx"], timeout=600)
-    assert four.returncode == 0, four.stderr[-3000:]
+    assert four.returncode == 0, log_excerpt(four.stderr)
     assert "cp=2, dp=2" in four.stdout
     sizes = [r["not_covered_by_dp"]["logical_batch_size"] for r in metric_rows(tmp_path / "run")]
     assert [math.ceil(size / 2) % 2 for size in sizes][1:] == [1, 1], sizes  # odd numbers of physical batches
@@ -613,7 +614,7 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
     shutil.rmtree(checkpoints / "ckpt-00000003.dcp")
     two = run_cli("train", "--resume", "run", "--fsdp", "dp", cwd=tmp_path,
                   launcher=torchrun + ["2", "-m", "longshield_fx"], timeout=600)
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, log_excerpt(two.stderr)
     assert "resumed from" in two.stdout and "at step 2/3" in two.stdout and "cp=1, dp=2" in two.stdout
     resumed = metric_rows(tmp_path / "run")
     assert [r["epsilon"] for r in resumed] == [r["epsilon"] for r in uninterrupted]

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import longshield_fx as lf  # noqa: E402
-from longshield_fx._torch import resolve_process_group, serial_gloo  # noqa: E402
+from longshield_fx._torch import destroy_process_groups, resolve_process_group, serial_gloo  # noqa: E402
 from longshield_fx.cli.inspect import collective_bytes  # noqa: E402
 from longshield_fx.passes._graph import is_head_all_to_all  # noqa: E402
 from longshield_fx.ops import ring_attention as ra  # noqa: E402
@@ -438,6 +438,21 @@ def dead_peer() -> dict:
     return {"error": None}
 
 
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads: each group's worker and transport loop (Linux)."""
+    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return sorted(n for n in names if "gloo" in n)
+
+
+def teardown() -> dict:
+    """The end of a run as the CLI ends it: the groups destroyed and their gloo threads joined
+    before the interpreter finalizes, though the cases' meshes (DTensor's caches hold them)
+    and DCP, imported after the default group, would keep them."""
+    before = gloo_threads()
+    destroy_process_groups(peers_finished=True)
+    return {"before": before, "after": gloo_threads()}
+
+
 def _save(results: dict, path: str) -> None:
     """Written whole or not at all: torchrun ends the other ranks when one fails, maybe mid-write."""
     torch.save(results, path + ".tmp")
@@ -472,7 +487,7 @@ def main():
     resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--resume=")]
     if resume:  # ``cp_worker.py OUT_DIR --resume=PATH,NOISY_PATH``: only the resumed run
         record("dcp_resume", dcp_resume, *resume[0].split(","))
-        dist.destroy_process_group()
+        record("teardown", teardown)
         return
     only = set(sys.argv[2:])  # by hand: ``cp_worker.py OUT_DIR NAME ...`` runs just those engine cases (and dcp_save)
     for name, case in CP_CASES.items():
@@ -493,7 +508,7 @@ def main():
         record("dropout", dropout)
         record("dead_peer", dead_peer)
         os._exit(0)  # the default group has a dead peer: do not wait for it at teardown
-    dist.destroy_process_group()
+    record("teardown", teardown)
 
 
 if __name__ == "__main__":

@@ -433,6 +433,7 @@ def test_a_sharded_run_saved_on_4_ranks_resumes_on_2(distributed, tmp_path):
         assert worst(resumed["after"], saved[0]["after"]) <= tolerance, rank
         assert worst(resumed["after_fresh_optimizer"], saved[0]["after"]) > 100 * tolerance, rank
 
+        assert r["teardown"]["after"] == [], rank  # DCP's load imported after the group: see test below
         assert resumed["noise_index"] == rank and resumed["noise_key_is_fresh"], rank
         reused = torch.isin(_pairs(resumed["noise_local"]), before_save).double().mean()
         assert reused == 0, f"shard {rank} re-drew {float(reused):.1%} of the noise drawn before the save"
@@ -442,3 +443,15 @@ def test_a_sharded_run_saved_on_4_ranks_resumes_on_2(distributed, tmp_path):
         assert float(state["exp_avg_sq"].max()) > 0, name
     moved = max(float((saved[0]["after"][n] - p).abs().max()) for n, p in case_model("llama").named_parameters())
     assert moved > 1e-3
+
+
+@pytest.mark.torchrun(4)
+def test_a_run_ends_with_every_gloo_thread_joined_before_the_interpreter_finalizes(distributed):
+    """``_torch.destroy_process_groups`` (the CLI's teardown), at the end of the 4-rank launch:
+    every gloo worker and transport thread is joined when it returns, though the cases' meshes
+    live on in DTensor's caches and DCP was imported after the default group, both of which
+    hold groups past ``destroy_process_group``. A gloo thread left running into interpreter
+    finalization can abort the rank (std::terminate) after a run that did everything right."""
+    for rank, r in distributed.check(4, "teardown").items():
+        assert "pt_gloo_runloop" in r["before"] and "gloo_tcp_loop" in r["before"], (rank, r)
+        assert r["after"] == [], (rank, r)
