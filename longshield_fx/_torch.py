@@ -246,10 +246,11 @@ def destroy_process_groups(peers_finished: bool) -> None:
     (``DeviceMesh._pg_registry``, torch 2.13), and a mesh lives as long as anything holds it:
     the engine, DTensor parameters, DTensor's sharding caches. A gloo group kept alive runs its
     worker and transport threads on into interpreter finalization, where a worker thread that
-    lets go of a tensor takes the GIL of an interpreter being torn down, and the process aborts
-    ("terminate called without an active exception"; pytorch/pytorch#179291 reports the same
-    abort for groups that were never destroyed). So every live mesh forgets its groups here: the
-    last references go, and each group's threads are joined while the interpreter is whole.
+    lets go of a tensor takes the GIL of an interpreter being torn down and can abort the process
+    ("terminate called without an active exception", as one rank of a finished CLI run did; the
+    closed pull request pytorch/pytorch#179291 describes that abort for groups never destroyed).
+    So every live mesh forgets its groups here: the last references go, and each group's threads
+    are joined while the interpreter is whole.
 
     ``peers_finished``: every rank got here after the same collectives (the run ended normally). A
     barrier then lets each rank's last collectives finish, so joining the worker threads cannot
