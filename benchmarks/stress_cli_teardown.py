@@ -24,11 +24,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from stress_dcp_resume import signature
+from stress_dcp_resume import stress
 
 from longshield_fx.cli.corpus import stdlib_files
 
@@ -59,32 +57,8 @@ def main() -> int:
     data.mkdir()
     for i, f in enumerate(stdlib_files(60)):
         shutil.copy(f, data / f"{i:02d}_{f.name}.txt")
-    stop = threading.Event()
-    beside_runs = collections.Counter()
-
-    def keep_busy(k: int):
-        i = 0
-        while not stop.is_set():
-            i += 1
-            proc = launch(work / f"beside{k}-{i}", data, env)
-            beside_runs["ok" if proc.returncode == 0 else signature(proc)] += 1
-
-    threads = [threading.Thread(target=keep_busy, args=(k,), daemon=True) for k in range(a.beside)]
-    for t in threads:
-        t.start()
-    failures = collections.Counter()
-    start = time.time()
-    for i in range(a.runs):
-        proc = launch(work / f"run{i}", data, env)
-        if proc.returncode != 0:
-            failures[signature(proc)] += 1
-            (keep / f"run{i}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-        print(f"\r{i + 1}/{a.runs} launches, {sum(failures.values())} failed, {time.time() - start:.0f} s",
-              end="", file=sys.stderr, flush=True)
-    stop.set()
-    for t in threads:
-        t.join()
-    print(file=sys.stderr)
+    failures, beside_runs = stress(a.runs, a.beside, keep, "launch", lambda i: launch(work / f"run{i}", data, env),
+                                   lambda k, j: launch(work / f"beside{k}-{j}", data, env))
     beside_failed = sum(n for sig, n in beside_runs.items() if sig != "ok")
     print("| launches | failed | launches beside | of them failed |\n|---|---|---|---|")
     print(f"| {a.runs} | {sum(failures.values())} | {sum(beside_runs.values())} | {beside_failed} |")

@@ -48,6 +48,39 @@ def signature(proc: subprocess.CompletedProcess) -> str:
     return found[0].strip() if found else f"exit {proc.returncode}"
 
 
+def stress(runs: int, beside: int, keep: Path, what: str, run_one, run_beside):
+    """``run_one(i)`` for i < ``runs`` while ``beside`` threads call ``run_beside(k, j)`` over and
+    over; each returns a finished process. Returns (failures, beside's outcomes), Counters of
+    signatures ("ok" for beside's successes); a failing run's output goes to ``keep``."""
+    stop = threading.Event()
+    beside_runs = collections.Counter()
+
+    def keep_busy(k: int):
+        j = 0
+        while not stop.is_set():
+            j += 1
+            proc = run_beside(k, j)
+            beside_runs["ok" if proc.returncode == 0 else signature(proc)] += 1
+
+    threads = [threading.Thread(target=keep_busy, args=(k,), daemon=True) for k in range(beside)]
+    for t in threads:
+        t.start()
+    failures = collections.Counter()
+    start = time.time()
+    for i in range(runs):
+        proc = run_one(i)
+        if proc.returncode != 0:
+            failures[signature(proc)] += 1
+            (keep / f"{what}{i}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        print(f"\r{i + 1}/{runs} {what}s, {sum(failures.values())} failed, {time.time() - start:.0f} s",
+              end="", file=sys.stderr, flush=True)
+    stop.set()
+    for t in threads:
+        t.join()
+    print(file=sys.stderr)
+    return failures, beside_runs
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=200)
@@ -64,31 +97,11 @@ def main() -> int:
     if saved.returncode != 0:
         print(saved.stderr[-3000:], file=sys.stderr)
         return 1
-    stop = threading.Event()
-    beside_runs = collections.Counter()
-
-    def keep_busy(k: int):
-        while not stop.is_set():
-            proc = launch(4, [str(work / f"beside{k}"), "dcp_save"], env)
-            beside_runs["ok" if proc.returncode == 0 else signature(proc)] += 1
-
-    threads = [threading.Thread(target=keep_busy, args=(k,), daemon=True) for k in range(a.beside)]
-    for t in threads:
-        t.start()
-    failures = collections.Counter()
-    start = time.time()
-    for i in range(a.runs):
-        out = work / f"resume{i}"
-        proc = launch(2, [str(out), f"--resume={work / 'save' / 'dcp'},{work / 'save' / 'dcp_noisy'}"], resume_env)
-        if proc.returncode != 0:
-            failures[signature(proc)] += 1
-            (keep / f"resume{i}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-        print(f"\r{i + 1}/{a.runs} resumes, {sum(failures.values())} failed, {time.time() - start:.0f} s",
-              end="", file=sys.stderr, flush=True)
-    stop.set()
-    for t in threads:
-        t.join()
-    print(file=sys.stderr)
+    failures, beside_runs = stress(
+        a.runs, a.beside, keep, "resume",
+        lambda i: launch(2, [str(work / f"resume{i}"),
+                             f"--resume={work / 'save' / 'dcp'},{work / 'save' / 'dcp_noisy'}"], resume_env),
+        lambda k, i: launch(4, [str(work / f"beside{k}"), "dcp_save"], env))
     beside_failed = sum(n for sig, n in beside_runs.items() if sig != "ok")
     print("| resumes | failed | launches beside | of them failed | environment |\n|---|---|---|---|---|")
     print(f"| {a.runs} | {sum(failures.values())} | {sum(beside_runs.values())} | {beside_failed} | "
