@@ -6,7 +6,7 @@ benchmarks/results/gpu_h200.md.
 
     python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
     python benchmarks/gpu_check.py dropout
-    python benchmarks/gpu_check.py step [--cases 4096:none 32768:block ...] [--budget S]
+    python benchmarks/gpu_check.py step [--cases 4096:none 32768:block ...] [--budget S] [--profile]
     python benchmarks/gpu_check.py packed [--device cuda] [--seq-lens 4096 16384 32768]
 
 ``zoo``: every architecture of tests/hf_zoo.py (tiny random config, B=2, T=12) compiled on
@@ -265,6 +265,16 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str, device: st
             times.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
         result.update(step_s=statistics.median(times), peak_gib=peak, noise_s=statistics.median(noise) if noise else None)
+        if os.environ.get("GPU_CHECK_PROFILE"):  # one more step, its kernels by their own device time
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+                sync()
+            averages = prof.key_averages()
+            try:
+                result["profile"] = averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+            except (AttributeError, KeyError, ValueError):
+                result["profile"] = averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
     except torch.OutOfMemoryError:
         result["error"] = "OOM"
     except Exception as e:
@@ -274,7 +284,8 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str, device: st
 
 
 def step(args) -> None:
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+               **({"GPU_CHECK_PROFILE": "1"} if args.profile else {}))
     rows, began = [], time.perf_counter()
     for case in args.cases:
         seq_len, checkpoint = int(case.split(":")[0]), case.split(":")[1]
@@ -290,7 +301,11 @@ def step(args) -> None:
             except subprocess.TimeoutExpired:
                 pass
             row[method] = json.load(open(out)) if os.path.exists(out) else {"error": "worker died or timed out"}
+            profile = row[method].pop("profile", None)
             print(json.dumps(row[method]), file=sys.stderr, flush=True)
+            if profile:
+                print(f"\n### {method}, T={seq_len}, checkpoint={checkpoint}: one step's kernels\n\n```\n{profile}```\n",
+                      flush=True)
         rows.append((seq_len, checkpoint, row))
     print(f"\n## llama3.2-1b, B=1, one step (torch {torch.__version__}, {torch.cuda.get_device_name()})\n")
     print("| T | checkpoint | eager s / peak GiB | DP s / peak GiB | DP / eager time | DP noise s | "
@@ -496,6 +511,7 @@ def main() -> None:
     s.add_argument("--timeout", type=int, default=300, help="seconds per worker process")
     s.add_argument("--methods", nargs="+", default=["eager", "dp", "dp-packed"])
     s.add_argument("--budget", type=float, default=float("inf"), help="start no case after this many seconds")
+    s.add_argument("--profile", action="store_true", help="also print one step's kernels (torch.profiler) per cell")
     k = sub.add_parser("packed")
     k.add_argument("--device", default="cuda")
     k.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
