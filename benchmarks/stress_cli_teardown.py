@@ -14,6 +14,10 @@ What was found (``longshield_fx._torch.destroy_process_groups``): the groups' gl
 (``DeviceMesh._pg_registry``) and by ``torch.distributed.nn.functional``'s default arguments
 (imported by DCP after the default group existed). The CLI now joins them before ``main`` returns
 (checked by ``tests/runtime/test_parallel.py::test_a_run_ends_with_every_gloo_thread_joined_before_the_interpreter_finalizes``).
+
+Before the fix the abort did not come back here: 0 of 65 launches, 2 or 3 side by side (2-core CPU,
+2026-11-27). After it (commit ee4db92), ``--runs 80 --beside 1`` stopped at 73 launches, 0 failed;
+the 73 launches beside it all reached rank 0's summary (their exit codes were not kept), 3661 s.
 """
 from __future__ import annotations
 
