@@ -270,11 +270,8 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str, device: st
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 step()
                 sync()
-            averages = prof.key_averages()
-            try:
-                result["profile"] = averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
-            except (AttributeError, KeyError, ValueError):
-                result["profile"] = averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+            result["profile"] = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25,
+                                                          max_name_column_width=60)
     except torch.OutOfMemoryError:
         result["error"] = "OOM"
     except Exception as e:
