@@ -123,18 +123,23 @@ class Lowered:
 
 
 def _op_counts(gm: fx.GraphModule) -> Counter:
-    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    return Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _named(counts: Counter) -> dict:
+    return {str(op): n for op, n in counts.items()}
 
 
 def lower(ctx: PassContext, passes: list[Pass]) -> Lowered:
     """Run ``passes`` in order on ``ctx.captured.gm`` (in place), linting after each."""
     gm, log = ctx.captured.gm, []
+    after = _op_counts(gm)
     for p in passes:
-        before, n_before = _op_counts(gm), len(gm.graph.nodes)
+        before, n_before = after, len(gm.graph.nodes)
         gm = p(gm, ctx)
         gm.graph.lint()
         after = _op_counts(gm)
-        log.append(PassRecord(p.__name__, n_before, len(gm.graph.nodes), dict(after - before), dict(before - after)))
+        log.append(PassRecord(p.__name__, n_before, len(gm.graph.nodes), _named(after - before), _named(before - after)))
     return Lowered(gm, ctx.captured, ctx, log)
 
 

@@ -36,7 +36,7 @@ from .._torch import COLLECTIVES, c10d
 from ..errors import UnsupportedModelError
 from .. import ops  # noqa: F401  (registers longshield::ring_attention)
 from ._context import KEEP_SELECTIVE, PassContext
-from ._graph import FUSED_ATTENTION, region_of
+from ._graph import FUSED_ATTENTION, eliminate_dead_code, region_of
 
 aten = torch.ops.aten
 _RING = torch.ops.longshield.ring_attention.default
@@ -97,7 +97,7 @@ def checkpoint(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in reversed(list(graph.nodes)):
         if node in recompute and not node.users:
             graph.erase_node(node)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     gm.recompile()
     return gm
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 from ..config import DPConfig
 from ..ops import lm_head_loss as _op
 from ._context import PassContext
-from ._graph import GraphBuilder, norm_dim, permutation, val
+from ._graph import GraphBuilder, eliminate_dead_code, norm_dim, permutation, val
 from .batch_dims import BatchDim, batch_dim
 from .per_sample import Packing
 
@@ -54,7 +54,7 @@ def chunked_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         match = _match(log_softmax, ctx.batch_size)
         if match is not None:
             _rewrite(gm, ctx, match, chunk_rows)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     gm.recompile()
     return gm
 

@@ -51,7 +51,7 @@ import torch.fx as fx
 
 from .._torch import c10d
 from ._context import CP_SHARD_DIM, PER_SAMPLE_GRAD, PassContext
-from ._graph import GraphBuilder, val
+from ._graph import GraphBuilder, eliminate_dead_code, val
 from .per_sample import PerSampleGrad, Rewriter
 
 aten = torch.ops.aten
@@ -121,7 +121,7 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, real if rw.packing else keep, loss, 0.0))
         norms = b(aten.where.ScalarOther, real_samples, norm, 0.0)
     output.args = ((loss_sum, norms, *sums),)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     gm.recompile()
     return gm
 

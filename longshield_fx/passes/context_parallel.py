@@ -45,7 +45,7 @@ from .._torch import c10d
 from ..errors import UnsupportedModelError
 from .. import ops  # noqa: F401  (registers longshield::ring_attention)
 from ._context import KEEP_SELECTIVE, PassContext
-from ._graph import FUSED_ATTENTION, GraphBuilder, arg_of, module_of, val
+from ._graph import FUSED_ATTENTION, GraphBuilder, arg_of, eliminate_dead_code, module_of, val
 from .batch_dims import BatchDim, batch_dim, register_batch_rule
 
 aten = torch.ops.aten
@@ -123,14 +123,14 @@ def context_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 dq = heads.to_heads(dq, tag)
                 dk, dv = (heads.to_heads(d, tag, replicas=heads.kv_replicas) for d in (dk, dv))
         _replace_backward(b, bwd, (dq, dk, dv), grouped=(k_group_sum is not None, v_group_sum is not None))
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     # fx keeps attention kernels it thinks random (dropout argument) even when unused, and the
     # CUDA kernels' RNG outputs keep a forward alive until its backward is gone: erase by hand,
     # backwards first.
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and node.target in _ATTENTION_OPS:
             _replace_getitems(node, {})
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     _refuse_unrewritten_attention(graph)
     gm.recompile()
     return gm

@@ -50,7 +50,7 @@ import torch.fx as fx
 from .. import ops  # noqa: F401  (registers longshield::segment_outer)
 from ..errors import UnsupportedModelError
 from ._context import PER_SAMPLE_GRAD, PER_SAMPLE_RULE, PassContext
-from ._graph import CONSTANT_LIKE, GraphBuilder, is_pointwise, module_of, val
+from ._graph import CONSTANT_LIKE, GraphBuilder, eliminate_dead_code, is_pointwise, module_of, val
 from .batch_dims import BatchDim, batch_dim
 
 aten = torch.ops.aten
@@ -492,6 +492,6 @@ def per_sample(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     output.args = ((loss, *dense_outputs),)
     if rw.packing:
         rw.packing.sink_rows()
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.recompile()
     return gm

@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from .._torch import c10d
 from ._context import CP_SHARD_DIM, PassContext
-from ._graph import GraphBuilder, val
+from ._graph import GraphBuilder, eliminate_dead_code, val
 
 aten = torch.ops.aten
 
@@ -70,7 +70,7 @@ def scatter_clipped_sums(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
                           b(c10d.all_reduce.default, shard, "sum", ctx.fsdp_replica_group_name))
         shards.append(shard)
     output.args = ((loss_sum, norms, *shards),)
-    graph.eliminate_dead_code()  # a replicated sum off sp rank 0 is not needed
+    eliminate_dead_code(graph)  # a replicated sum off sp rank 0 is not needed
     gm.recompile()
     return gm
 

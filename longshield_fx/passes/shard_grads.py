@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from .._torch import c10d
 from ._context import CP_SHARD_DIM, PER_SAMPLE_GRAD, PassContext
-from ._graph import val
+from ._graph import eliminate_dead_code, val
 from .batch_dims import BatchDim
 from .per_sample import PerSampleGrad, Rewriter
 
@@ -99,7 +99,7 @@ def shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _record(meta, reduced, dim)
         outputs.append(reduced)
     output.args = ((loss, *outputs),)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.recompile()
     return gm
 
