@@ -1,8 +1,8 @@
 """What only a GPU can show: exactness of CUDA kernels, dropout's CUDA RNG, and llama3.2-1b steps.
 
 ``packed``, ``step`` and ``dropout`` ran on an H100 (torch 2.11) on 2026-11-26: results in
-benchmarks/results/gpu_h100.md. ``zoo`` and ``step`` ran on an H200 on 2026-11-27: results in
-benchmarks/results/gpu_h200.md.
+benchmarks/results/gpu_h100.md. ``zoo`` and ``step`` ran on an H200 on 2026-11-27 (``step`` again
+after the int32 noise kernel and the LM head's bf16 GEMMs): results in benchmarks/results/gpu_h200.md.
 
     python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
     python benchmarks/gpu_check.py dropout

@@ -178,18 +178,34 @@ class NoiseGenerator:
 def _gaussian(u53: torch.Tensor, secure: bool) -> torch.Tensor:
     """Standard normals (float64) from 53-bit uniform integers by Box-Muller; four summed / 2
     per value when ``secure``."""
-    u = (u53.to(torch.float64) + 0.5) * 2.0 ** -53  # in (0, 1): log never sees 0
-    u1, u2 = u.view(-1, 2).unbind(1)
-    r = torch.sqrt(-2.0 * torch.log(u1))
-    angle = (2.0 * math.pi) * u2
-    z = torch.stack([r * torch.cos(angle), r * torch.sin(angle)], 1).view(-1)
-    return z.view(-1, 4).sum(1) / 2.0 if secure else z
+    z = torch.stack(_box_muller(*u53.view(-1, 2).unbind(1)), 1).view(-1)
+    return _half_sum(*z.view(-1, 4).unbind(1)) if secure else z
 
 
 def _gaussian_blocks(fixed: torch.Tensor, counters: torch.Tensor, secure: bool) -> torch.Tensor:
-    """``_gaussian`` of the ChaCha20 blocks at ``counters`` (for one fused GPU kernel)."""
-    w = _chacha_blocks(fixed, counters).view(-1, 2)
-    return _gaussian((w[:, 1] << 21) | (w[:, 0] >> 11), secure)
+    """``_gaussian`` of the ChaCha20 blocks at ``counters`` (for one fused GPU kernel).
+
+    Each block's values are formed from its own 16 words, one lane per block, never from the
+    stream laid out flat: from the flat stream the compiler split the work into kernels that
+    pass the words through memory: 0.70-0.83 ms per 2**20-block chunk on an H200, against
+    0.37 ms this way (same values).
+    """
+    w = _chacha_words(fixed, counters)
+    u53 = [(w[2 * k + 1] << 21) | (w[2 * k] >> 11) for k in range(8)]
+    z = [zi for p in range(4) for zi in _box_muller(u53[2 * p], u53[2 * p + 1])]
+    return torch.stack([_half_sum(*z[:4]), _half_sum(*z[4:])] if secure else z, 1).reshape(-1)
+
+
+def _box_muller(u53_1: torch.Tensor, u53_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two independent standard normals (float64) from two 53-bit uniform integers."""
+    u1, u2 = ((u.to(torch.float64) + 0.5) * 2.0 ** -53 for u in (u53_1, u53_2))  # in (0, 1): log never sees 0
+    r = torch.sqrt(-2.0 * torch.log(u1))
+    angle = (2.0 * math.pi) * u2
+    return r * torch.cos(angle), r * torch.sin(angle)
+
+
+def _half_sum(z0: torch.Tensor, z1: torch.Tensor, z2: torch.Tensor, z3: torch.Tensor) -> torch.Tensor:
+    return (z0 + z1 + z2 + z3) / 2.0
 
 
 def _openssl_u64(key: bytes, nonce: bytes, n: int) -> torch.Tensor:
@@ -216,34 +232,50 @@ def _torch_words(key: bytes, nonce: bytes, n: int, device: torch.device) -> torc
     return _chacha_blocks(_fixed_words(key, nonce, device), counters)[:n]
 
 
+def _int32_bits(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as the int32 values with the same 32 bits."""
+    return (x - (((x >> 31) & 1) << 32)).to(torch.int32)
+
+
 def _rotl(x: torch.Tensor, s: int) -> torch.Tensor:
-    return ((x << s) | (x >> (32 - s))) & _MASK32
+    """Rotate int32 words left by ``s``; ``>>`` is arithmetic, so the mask keeps the low ``s`` bits."""
+    return (x << s) | ((x >> (32 - s)) & ((1 << s) - 1))
 
 
 def _quarter_round(x: list, a: int, b: int, c: int, d: int) -> None:
-    x[a] = (x[a] + x[b]) & _MASK32
+    x[a] = x[a] + x[b]  # int32 addition wraps modulo 2**32, as ChaCha20's does
     x[d] = _rotl(x[d] ^ x[a], 16)
-    x[c] = (x[c] + x[d]) & _MASK32
+    x[c] = x[c] + x[d]
     x[b] = _rotl(x[b] ^ x[c], 12)
-    x[a] = (x[a] + x[b]) & _MASK32
+    x[a] = x[a] + x[b]
     x[d] = _rotl(x[d] ^ x[a], 8)
-    x[c] = (x[c] + x[d]) & _MASK32
+    x[c] = x[c] + x[d]
     x[b] = _rotl(x[b] ^ x[c], 7)
 
 
 def _chacha_blocks(fixed: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """ChaCha20 blocks for the given block counters, as (len(counters) * 16,) words.
+    """ChaCha20 blocks for the given block counters, as (len(counters) * 16,) words (int64 in
+    [0, 2**32))."""
+    return torch.stack(_chacha_words(fixed, counters), 1).reshape(-1)
 
-    Sixteen word tensors and elementwise ops only, so a compiler fuses it into one kernel.
+
+def _chacha_words(fixed: torch.Tensor, counters: torch.Tensor) -> list[torch.Tensor]:
+    """The 16 words (int64 in [0, 2**32)) of the ChaCha20 block at each of ``counters``.
+
+    Sixteen word tensors and elementwise ops only, so a compiler fuses it into one kernel. The
+    rounds run on int32, whose two's-complement addition and shifts are ChaCha20's 32-bit
+    arithmetic: a GPU has no 64-bit integer units, and int32 words drew llama3.2-1b's noise in
+    0.503 s on an H200 against 0.635 s with int64 words.
     """
-    state = [fixed[i].expand(counters.shape) for i in range(16)]
-    state[12] = counters & _MASK32
+    fixed32 = _int32_bits(fixed)
+    state = [fixed32[i].expand(counters.shape) for i in range(16)]
+    state[12] = _int32_bits(counters)
     x = list(state)
     for _ in range(10):
         for a, b, c, d in ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15),
                            (0, 5, 10, 15), (1, 6, 11, 12), (2, 7, 8, 13), (3, 4, 9, 14)):
             _quarter_round(x, a, b, c, d)
-    return torch.stack([(xi + si) & _MASK32 for xi, si in zip(x, state)], 1).reshape(-1)
+    return [(xi + si).to(torch.int64) & _MASK32 for xi, si in zip(x, state)]
 
 
 _compiled = None

@@ -34,6 +34,18 @@ def test_torch_and_openssl_streams_agree(n):
         assert torch.equal((u64 >> 11) & (2**53 - 1), (words[:, 1] << 21) | (words[:, 0] >> 11))
 
 
+def test_block_counters_past_the_int32_sign_bit_match_openssl():
+    """The rounds run on int32: counters at and past 2**31 wrap into its sign bit and back."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+    key, nonce, first = os.urandom(32), (5).to_bytes(12, "little"), 2**31 - 3
+    counters = torch.arange(first, first + 8)
+    ours = noise._chacha_blocks(noise._fixed_words(key, nonce, torch.device("cpu")), counters)
+    stream = bytearray(64 * len(counters))
+    encryptor = Cipher(algorithms.ChaCha20(key, first.to_bytes(4, "little") + nonce), mode=None).encryptor()
+    encryptor.update_into(memoryview(stream), stream)
+    assert ours.to(torch.int32).numpy().tobytes() == bytes(stream)
+
+
 @pytest.mark.parametrize("secure", [True, False])
 def test_gpu_noise_kernel_equals_the_cpu_path(secure):
     """The fused GPU chunk (run eager here) gives the values the CPU path gives for the nonce."""
