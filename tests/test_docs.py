@@ -43,7 +43,9 @@ def test_mkdocs_build_strict(site):
 
 def test_api_reference_has_every_public_name(site):
     page = (site / "reference" / "api" / "index.html").read_text()
-    missing = [name for name in longshield_fx.__all__ if f'id="longshield_fx.{name}"' not in page]
+    import longshield_fx.hf
+    names = [*longshield_fx.__all__, *(f"hf.{name}" for name in longshield_fx.hf.__all__)]
+    missing = [name for name in names if f'id="longshield_fx.{name}"' not in page]
     assert not missing, f"not in the generated API reference: {missing}"
 
 

@@ -1,6 +1,7 @@
 """mkdocs hook: pages generated at build time, never copied by hand.
 
-* ``<!-- api-reference -->`` becomes one mkdocstrings block per name in ``longshield_fx.__all__``.
+* ``<!-- api-reference -->`` becomes one mkdocstrings block per name in ``longshield_fx.__all__``,
+  then one per name in ``longshield_fx.hf.__all__``.
 * ``<!-- cli-reference -->`` becomes the ``--help`` of ``longshield-fx`` and of every subcommand,
   rendered from the argparse parsers that ``longshield_fx.cli.build_parser()`` builds.
 * ``benchmarks/results/*`` (full benchmark outputs, plots) are published under ``results/``.
@@ -27,7 +28,25 @@ def on_files(files, config):
 def api_markdown() -> str:
     import longshield_fx
 
-    return "\n\n".join(f"::: longshield_fx.{name}" for name in longshield_fx.__all__)
+    return "\n\n".join([*(f"::: longshield_fx.{name}" for name in longshield_fx.__all__),
+                        "## Hugging Face Trainer: `longshield_fx.hf`", *_hf_blocks()]) + "\n\n"
+
+
+def _hf_blocks() -> list[str]:
+    """One block per name of ``longshield_fx.hf.__all__``, read from its source (importing it
+    imports transformers). A class made on first access (``DPSFTTrainer``, which needs trl) is
+    not visible to mkdocstrings: its heading and docstring are written out here."""
+    import ast
+
+    import longshield_fx
+
+    tree = ast.parse((pathlib.Path(longshield_fx.__file__).parent / "hf.py").read_text())
+    names = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                 and any(getattr(t, "id", None) == "__all__" for t in node.targets))
+    top = {node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    nested = {node.name: ast.get_docstring(node) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    return [f"::: longshield_fx.hf.{name}" if name in top else
+            f"## `longshield_fx.hf.{name}` {{#longshield_fx.hf.{name}}}\n\n{nested[name]}" for name in names]
 
 
 def cli_help() -> list[tuple[str, str]]:
