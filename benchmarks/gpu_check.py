@@ -8,6 +8,7 @@ after the int32 noise kernel and the LM head's bf16 GEMMs): results in benchmark
     python benchmarks/gpu_check.py dropout
     python benchmarks/gpu_check.py step [--cases 4096:none 32768:block ...] [--budget S] [--profile]
     python benchmarks/gpu_check.py packed [--device cuda] [--seq-lens 4096 16384 32768]
+    python benchmarks/gpu_check.py kernels [--device cuda] [--noise-values N] [--head V D POSITIONS]
 
 ``zoo``: every architecture of tests/hf_zoo.py (tiny random config, B=2, T=12) compiled on
 ``cuda`` in ``--dtype`` (fp32 with TF32 off) against a float64 per-sample autograd loop on the
@@ -36,6 +37,11 @@ sum (σ = 0) against the engine's own on the CPU. The document attention op (cp 
 and bf16 against the float64 CPU oracle, beside SDPA under the boolean mask (the dtype's floor), and
 its isolation. Speed: one bf16 row (32 query / 8 KV heads, T, 64), forward + backward, causal flash,
 the op and SDPA under the document mask, median of 5, and the peak memory of each.
+
+``kernels``: the secure noise's compiled ChaCha20 words against OpenSSL's (bitwise) and its
+Gaussian chunk against the CPU path; one chunk's time and a whole draw's (llama3.2-1b's parameter
+count); the LM head's per-sample product (``ops/lm_head_loss._add_product``: bf16 factors into an
+fp32 accumulator) against float64 and against the fp32 upcast, and both times.
 """
 from __future__ import annotations
 
@@ -485,6 +491,62 @@ def attention_speed(device, seq_lens) -> None:
               flush=True)
 
 
+# ---------------------------------------------------------------- kernels
+
+def kernels(args) -> None:
+    """The secure noise kernel and the LM head's per-sample products on ``--device``."""
+    from longshield_fx.ops import lm_head_loss as lm
+    from longshield_fx.runtime import noise
+    dev = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def median_s(f, reps):
+        f()
+        sync()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            f()
+            sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    print(f"\n## Kernels on {dev} (torch {torch.__version__})\n")
+    key, nonce = os.urandom(32), (2**33 + 5).to_bytes(12, "little")
+    fixed = noise._fixed_words(key, nonce, dev)
+    counters = torch.arange(noise._CHUNK_BLOCKS, dtype=torch.int64, device=dev)
+    words = torch.compile(noise._chacha_blocks, dynamic=False, fullgraph=True)(fixed, counters).cpu()
+    u64 = noise._openssl_u64(key, nonce, noise._CHUNK_BLOCKS * 8)
+    print("- compiled ChaCha20 words == OpenSSL's, one chunk of 2**20 blocks:",
+          torch.equal(words, u64.view(torch.int32).to(torch.int64) & 0xFFFFFFFF))
+    chunk = noise._compiled_gaussian_blocks()
+    diff = (chunk(fixed, counters, True).cpu() - noise._gaussian((u64 >> 11) & (2**53 - 1), True)).abs().max()
+    print(f"- compiled secure Gaussian chunk against the CPU path: max abs diff {float(diff):.1e}")
+    print(f"- one chunk (secure): {1e3 * median_s(lambda: chunk(fixed, counters, True), 20):.3f} ms, median of 20")
+    gen = noise.NoiseGenerator(dev, secure=True)
+    print(f"- NoiseGenerator.normal({args.noise_values}) (secure): "
+          f"{median_s(lambda: gen.normal(args.noise_values, 1.0), 3):.3f} s, median of 3")
+    V, d, c = args.head
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(1, V, c, device=dev, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(1, c, d, device=dev, dtype=torch.bfloat16, generator=g)
+    ours, upcast = torch.zeros(1, V, d, device=dev), torch.zeros(1, V, d, device=dev)
+    lm._add_product(ours, a, b)
+    upcast.baddbmm_(a.float(), b.float())
+    rows = min(V, 4096)
+    ref = torch.einsum("bvc,bcd->bvd", a[:, :rows].double(), b.double())
+
+    def rel(x):
+        return float((x[:, :rows].double() - ref).norm() / ref.norm())
+    print(f"- LM head product (V={V}, d={d}, {c} positions, bf16 factors) against float64: ours {rel(ours):.1e}, "
+          f"fp32 upcast {rel(upcast):.1e}; {1e3 * median_s(lambda: lm._add_product(ours, a, b), 10):.2f} ms against "
+          f"{1e3 * median_s(lambda: upcast.baddbmm_(a.float(), b.float()), 10):.2f} ms, median of 10")
+
+
 def main() -> None:
     if sys.argv[1] == "_zoo_worker":
         p = argparse.ArgumentParser()
@@ -512,8 +574,12 @@ def main() -> None:
     k = sub.add_parser("packed")
     k.add_argument("--device", default="cuda")
     k.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
+    n = sub.add_parser("kernels")
+    n.add_argument("--device", default="cuda")
+    n.add_argument("--noise-values", type=int, default=1_235_814_400, help="default: llama3.2-1b's parameters")
+    n.add_argument("--head", type=int, nargs=3, default=[128256, 2048, 1024], metavar=("V", "D", "POSITIONS"))
     args = p.parse_args()
-    {"zoo": zoo, "dropout": dropout, "step": step, "packed": packed}[args.what](args)
+    {"zoo": zoo, "dropout": dropout, "step": step, "packed": packed, "kernels": kernels}[args.what](args)
 
 
 if __name__ == "__main__":
