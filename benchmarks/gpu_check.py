@@ -505,15 +505,10 @@ def kernels(args) -> None:
             torch.cuda.synchronize()
 
     def median_s(f, reps):
-        f()
+        from _measure import median, timed
+        f()  # warm-up: compiles
         sync()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            f()
-            sync()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median(timed(lambda: (f(), sync()), reps))
 
     print(f"\n## Kernels on {dev} (torch {torch.__version__})\n")
     key, nonce = os.urandom(32), (2**33 + 5).to_bytes(12, "little")
