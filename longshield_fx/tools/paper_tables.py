@@ -64,7 +64,7 @@ class ModelPlans:
     v3: LayoutPlan                                   # cp=4 + block checkpointing, MBS 1
     v2: dict = field(default_factory=dict)           # MBS -> cp=4, no checkpointing
     fsdp: dict = field(default_factory=dict)         # (GPUs, MBS) -> FSDP-style cp=1
-    capture_s: dict = field(default_factory=dict)    # spec -> seconds of its two captures
+    capture_s: dict = field(default_factory=dict)    # spec -> (captures, seconds) of its fit
 
 
 def specs(model: str, dtype: str) -> list[GraphSpec]:
@@ -79,7 +79,7 @@ def plan_model(model: str, *, dtype: str, mem: float, overhead: float, cache_dir
     def layout(spec: GraphSpec, gpus) -> LayoutPlan:
         fit = fit_graph(spec, cache_dir)
         if not (spec.cp > 1 and spec.checkpoint is None and spec.mbs == 1):  # came with the checkpointed capture
-            plans.capture_s[spec] = fit.capture_s
+            plans.capture_s[spec] = (len(fit.T_points) * max(1, len(fit.layers)), fit.capture_s)
         return LayoutPlan("", spec, fit, gpus, mem, overhead, stats).solve()
 
     plans = ModelPlans(model, v3=None)
@@ -150,9 +150,10 @@ def capture_note(plans: list[ModelPlans]) -> str:
     parts = []
     for p in plans:
         c = p.capture_s
-        parts.append(f"{p.model}: {len(c) * 2} captures, {sum(c.values()) / 60:.0f} min (cp=1 layouts "
-                     f"{sum(v for k, v in c.items() if k.cp == 1) / 60:.0f} min)")
-    return ("Graph captures (two per layout; the checkpointed cp=4 capture also yields the plain cp=4 graph), "
+        parts.append(f"{p.model}: {sum(n for n, _ in c.values())} captures, {sum(s for _, s in c.values()) / 60:.0f} "
+                     f"min (cp=1 layouts {sum(s for k, (_, s) in c.items() if k.cp == 1) / 60:.0f} min)")
+    return ("Graph captures (two T per layout, each at 4, 5 and 6 layers where extrapolated in layers; the "
+            "checkpointed cp=4 capture also yields the plain cp=4 graph), "
             "CPU time on this 2-core machine while other jobs ran: " + "; ".join(parts) + ".")
 
 

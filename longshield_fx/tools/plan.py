@@ -35,10 +35,13 @@ extrapolation of the peak itself (the peak moves between phases as T grows, e.g.
 per-sample gradients at short T to the activations kept by checkpointing at long T; a single
 line through two peaks would miss that). ``tests/tools/test_plan.py`` checks the prediction against a direct capture at a third T.
 
-A plan takes four captures (two per layout; ``tools.plan_graphs``): 10 s (1B) to about a
-minute (8B, cp=4) each on a 2-core CPU, run ``jobs`` at a time in worker processes, memoised
-in-process and cached on disk (``--cache-dir``), keyed by a hash of the graph-building sources
-and the torch version. The comparison with the paper's tables is ``tools.paper_tables``.
+A plan captures each layout at two T (``tools.plan_graphs``), run ``jobs`` at a time in worker
+processes, memoised in-process and cached on disk (``--cache-dir``), keyed by a hash of the
+graph-building sources and the torch version. A capture costs about a second per layer on a
+2-core CPU, so a reference Llama of more than 18 layers is captured at 4, 5 and 6 layers and
+extrapolated in layers (``tools.plan_layers``: exact where its rule, checked on those captures,
+holds; captured whole where it does not). The comparison with the paper's tables is
+``tools.paper_tables``.
 
 Two layouts are planned side by side:
 - "DP cp=<cp>": longshield_fx's layout, the sequence sharded over cp ranks, per-sample
@@ -54,14 +57,17 @@ Two layouts are planned side by side:
 """
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..config import DPConfig
+from . import plan_layers
 from .plan_graphs import DTYPES, HF_CONFIG, Capture, GraphSpec, measure, model_label, model_shape, prefetch
+from .plan_layers import LAYERS
 
 __all__ = ["DTYPES", "Breakdown", "GraphFit", "GraphSpec", "LayoutPlan", "ModelStats", "PlanError", "check_args",
            "fit_graph", "fit_points", "fit_requests", "format_plan", "measure", "model_stats", "plan", "plan_layout",
@@ -96,9 +102,10 @@ class GraphFit:
     batch_intercept: float
     batch_slope: float
     capture_s: float
+    layers: tuple[int, ...] = ()  # the layer counts captured when extrapolated in layers (tools.plan_layers)
 
     @classmethod
-    def from_captures(cls, spec: GraphSpec, *caps: Capture) -> "GraphFit":
+    def from_captures(cls, spec: GraphSpec, *caps: Capture, layers: tuple[int, ...] = ()) -> "GraphFit":
         a = caps[0]
         for b in caps[1:]:
             if a.ops_digest != b.ops_digest or len(a.timeline) != len(b.timeline):
@@ -118,7 +125,7 @@ class GraphFit:
         b = caps[1]
         bslope = (b.batch_bytes - a.batch_bytes) / (b.T - a.T)
         return cls(spec, tuple(c.T for c in caps), coef[0], coef[1], curvature, a.names,
-                   a.batch_bytes - bslope * a.T, bslope, sum(c.capture_s for c in caps))
+                   a.batch_bytes - bslope * a.T, bslope, sum(c.capture_s for c in caps), layers)
 
     def peak(self, T: int) -> tuple[float, str]:
         """(bytes, node name) of the graph's peak at ``T``: intermediates plus batch inputs."""
@@ -142,13 +149,55 @@ def _points(spec: GraphSpec) -> tuple[int, ...]:
     return fit_points(spec.sp, quadratic=spec.model.startswith(HF_CONFIG))
 
 
+def _layer_count(spec: GraphSpec) -> int:
+    return dict(spec.overrides).get("n_layers", model_shape(spec.model)["layers"])
+
+
+def _layer_specs(spec: GraphSpec) -> list[GraphSpec] | None:
+    """The specs of the same graph with ``plan_layers.LAYERS`` decoder layers, when ``spec``'s
+    model has more than ``plan_layers.WHOLE_UP_TO`` (a reference Llama; a Hugging Face model is
+    always captured whole)."""
+    if spec.model.startswith(HF_CONFIG) or _layer_count(spec) <= plan_layers.WHOLE_UP_TO:
+        return None
+    overrides = {k: v for k, v in spec.overrides if k != "n_layers"}
+    own = model_shape(spec.model)["layers"]
+    # a count equal to the model's own is no override: that capture is shared with the model's own spec
+    return [replace(spec, overrides=tuple((overrides | ({} if k == own else {"n_layers": k})).items()))
+            for k in LAYERS]
+
+
 def fit_requests(specs) -> list[tuple[GraphSpec, int]]:
     """The (spec, T) captures that ``fit_graph`` needs for each of ``specs`` (for ``prefetch``)."""
-    return [(spec, T) for spec in specs for T in _points(spec)]
+    return [(s, T) for spec in specs for s in (_layer_specs(spec) or [spec]) for T in _points(spec)]
 
 
 def fit_graph(spec: GraphSpec, cache_dir: Path | None = None, points: tuple[int, ...] | None = None) -> GraphFit:
-    return GraphFit.from_captures(spec, *(measure(spec, T, cache_dir) for T in points or _points(spec)))
+    """Each node's live bytes as a function of T, from captures at ``points`` (default: the fit
+    points). A reference Llama of more than 18 layers is captured at 4, 5 and 6 layers and
+    extrapolated in layers (``tools.plan_layers``, checked to the byte on those captures); where
+    that check fails, it is captured whole."""
+    points = points or _points(spec)
+    small = _layer_specs(spec)
+    if small:
+        caps = [_extrapolated(small, T, _layer_count(spec), cache_dir) for T in points]
+        if all(caps):
+            return GraphFit.from_captures(spec, *caps, layers=LAYERS)
+    return GraphFit.from_captures(spec, *(measure(spec, T, cache_dir) for T in points))
+
+
+def _extrapolated(specs: list[GraphSpec], T: int, layers: int, cache_dir: Path | None) -> Capture | None:
+    """The representative timeline of ``layers`` layers at ``T`` from the captures of ``specs``
+    (one per ``LAYERS``), or None when the layer rule does not hold for them."""
+    caps = {k: measure(s, T, cache_dir) for k, s in zip(LAYERS, specs)}
+    parts = plan_layers.template({k: c.ops for k, c in caps.items()})
+    found = parts and plan_layers.extrapolate(parts, {k: c.timeline for k, c in caps.items()}, caps[LAYERS[-1]].names,
+                                              layers)
+    if not found:
+        return None
+    timeline, names = found
+    digest = hashlib.sha256(repr((layers, parts)).encode()).hexdigest()
+    last = caps[LAYERS[-1]]
+    return Capture(T, timeline, names, [], digest, last.batch_bytes, sum(c.capture_s for c in caps.values()))
 
 
 # --- model states -------------------------------------------------------------------------------
@@ -291,7 +340,8 @@ def plan(model: str, gpus: int, gpu_mem_gib: float, *, cp: int | None = None, ch
          cache_dir: Path | None = None, jobs: int = 1, hp: int = 1) -> tuple[LayoutPlan, LayoutPlan]:
     """(DP layout with cp x hp, FSDP-style layout) for ``model`` on ``gpus`` GPUs of ``gpu_mem_gib`` GiB.
 
-    ``jobs``: captures run at once in worker processes (a plan needs four)."""
+    ``jobs``: captures run at once in worker processes (two per layout, each at 4, 5 and 6 layers for a
+    reference Llama of more layers)."""
     cp = gpus // hp if cp is None else cp
     check_args(model, gpus, gpu_mem_gib, cp, mbs, hp)
     dp_spec, fsdp_spec = GraphSpec(model, cp, checkpoint, mbs, dtype, hp=hp), GraphSpec(model, 1, None, mbs, dtype)
@@ -362,6 +412,8 @@ def format_plan(plans: list[LayoutPlan], *, header: str) -> str:
         "fitted as a + b*T" + (" + c*T² (a Hugging Face model's traced attention builds a T x T mask)"
                                if len(first.fit.T_points) == 3 else "") + " from captures at T = " +
         ", ".join(f"{'/'.join(map(str, p.fit.T_points))} ({p.title})" for p in plans) +
+        "".join(f"; {p.title}: captured at {'/'.join(map(str, p.fit.layers))} layers and extrapolated to "
+                f"{_layer_count(p.spec)} (checked to the byte on those captures)" for p in plans if p.fit.layers) +
         (" (exact for this graph: flash attention, no T x T tensor)." if len(first.fit.T_points) == 2 else "."),
         f"overhead = {first.overhead / GiB:g} GiB fixed (default: an 80 GB H100 exposes 79.2 GiB, CUDA context + "
         "cuBLAS + NCCL take 1.2 GiB, measured; allocator fragmentation 3 GiB, longshield.md Table 5 text); "

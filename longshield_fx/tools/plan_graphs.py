@@ -121,6 +121,7 @@ class Capture:
     T: int
     timeline: list[int]
     names: list[str]
+    ops: list[str]            # each node's op and target (placeholders: their op only)
     ops_digest: str
     batch_bytes: int          # the graph's batch inputs (ids, labels, positions, mask)
     capture_s: float
@@ -177,9 +178,9 @@ def _timeline(lowered, T: int, elapsed: float) -> Capture:
     batch_bytes = sum(nbytes(node) for node, (kind, _) in zip(captured.placeholders, captured.inputs)
                       if kind in ("input", "cotangent"))
     nodes = list(gm.graph.nodes)
-    ops = "\n".join(f"{n.op}:{n.target}" for n in nodes)
-    return Capture(T, list(est.timeline), [n.name for n in nodes],
-                   hashlib.sha256(ops.encode()).hexdigest(), batch_bytes, elapsed)
+    ops = [n.op if n.op == "placeholder" else f"{n.op}:{n.target}" for n in nodes]
+    digest = hashlib.sha256("\n".join(f"{n.op}:{n.target}" for n in nodes).encode()).hexdigest()
+    return Capture(T, list(est.timeline), [n.name for n in nodes], ops, digest, batch_bytes, elapsed)
 
 
 def capture_timelines(spec: GraphSpec, T: int) -> dict[GraphSpec, Capture]:
@@ -213,7 +214,7 @@ def capture_timelines(spec: GraphSpec, T: int) -> dict[GraphSpec, Capture]:
 
 _MEMO: dict[tuple, Capture] = {}
 
-CAPTURE_VERSION = 2  # bump when capture_timelines / _timeline change what they record
+CAPTURE_VERSION = 3  # bump when capture_timelines / _timeline change what they record
 _GRAPH_SOURCES = ("_torch.py", "api.py", "capture.py", "config.py", "losses.py", "models", "ops", "passes",
                   "runtime", "tools/memory.py", "tools/plan_graphs.py")
 

@@ -22,6 +22,7 @@ from longshield_fx.tools.paper_tables import ModelPlans, summary_row
 
 JOBS = 2
 SMALL = [P.GraphSpec("small", 1, None, 1, "fp32"), P.GraphSpec("small", 2, "block", 1, "fp32")]
+TWENTY = P.GraphSpec("small", 2, "block", 1, "fp32", overrides=(("n_layers", 20),))  # fitted from 4, 5 and 6 layers
 
 
 def third_T(spec) -> int:
@@ -42,10 +43,11 @@ def _cache_dir() -> Path | None:
 def captures():
     """Every capture this module reads, made once by one pool of two worker processes, costliest
     first: the small model's at its two fit points and a third T (cp=1; cp=2 + block, which
-    brings cp=2 without checkpointing along), the paper models' at their fit points
-    (cp=4 + block, bringing plain cp=4; FSDP-style cp=1), and llama3.2-1b at hp=2 x cp=2."""
-    small = [(s, T) for s in SMALL for T in (*P.fit_points(s.cp), third_T(s))]
-    plan_graphs.prefetch(small + P.fit_requests(PAPER + [HP2]), _cache_dir(), jobs=JOBS)
+    brings cp=2 without checkpointing along), its 20-layer variant at 4, 5 and 6 layers and whole
+    at the third T, the paper models' at their fit points (cp=4 + block, bringing plain cp=4;
+    FSDP-style cp=1; 3B's and 8B's at 4, 5 and 6 layers), and llama3.2-1b at hp=2 x cp=2."""
+    small = [(s, T) for s in SMALL for T in (*P.fit_points(s.cp), third_T(s))] + [(TWENTY, third_T(TWENTY))]
+    plan_graphs.prefetch(small + P.fit_requests([TWENTY] + PAPER + [HP2]), _cache_dir(), jobs=JOBS)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,19 @@ def test_affine_fit_predicts_a_third_T(spec, small_captures):
     predicted, node = fit.peak(T3)
     actual = max(direct.timeline) + direct.batch_bytes
     assert predicted == pytest.approx(actual, rel=0.02), (node, predicted, actual)
+
+
+def test_a_fit_extrapolated_in_layers_predicts_a_direct_capture_of_every_layer(small_captures):
+    """A 20-layer Llama is fitted from its graphs at 4, 5 and 6 layers (``tools.plan_layers``),
+    the checkpointed one and the plain one its capture brought along; at a third T both predict
+    the peak of a direct capture of all 20 layers to the byte."""
+    for spec in (TWENTY, TWENTY.plain):
+        fit = P.fit_graph(spec)
+        assert fit.layers == (4, 5, 6)
+        T3 = third_T(spec)
+        direct = P.measure(spec, T3)
+        predicted, node = fit.peak(T3)
+        assert predicted == max(direct.timeline) + direct.batch_bytes, (spec.checkpoint, node)
 
 
 def test_one_capture_serves_the_checkpointed_and_the_plain_layout(small_captures):
