@@ -34,7 +34,7 @@ import longshield_fx as lf
 from longshield_fx import _torch
 from longshield_fx.passes import Lowered
 
-from oracles import log_excerpt, tiny_llama, token_batch, vmap_per_sample_grads
+from oracles import log_excerpt, rank_results, tiny_llama, token_batch, vmap_per_sample_grads
 
 
 def pytest_configure(config):
@@ -222,9 +222,9 @@ class Launches:
                 rc = f"killed after {LAUNCH_TIMEOUT_S} s"
             log.seek(0)
             text = log.read()
-            ranks = {} if not isinstance(world, int) else {r: torch.load(out / f"rank{r}.pt", weights_only=False)
-                                               for r in range(world) if (out / f"rank{r}.pt").exists()}
-            # A rank's file is replaced whole (cp_worker._save); a missing one shows in ``check`` with the log.
+            ranks = {} if not isinstance(world, int) else {
+                r: found for r in range(world) if (found := rank_results(out, r)) is not None}
+            # Each check's file is written whole (cp_worker._save); a missing one shows in ``check`` with the log.
             self.done[world] = (rc, text, ranks)
         return self.done[world]
 

@@ -2,6 +2,7 @@
 they run on, and how a failed launch is reported. Imported by tests, ``conftest.py`` and
 ``runtime/cp_worker.py`` alike."""
 import re
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -365,3 +366,10 @@ def log_excerpt(text: str, tail: int = 4000) -> str:
         return text[-tail:]
     start = text.rfind("\n", 0, found.start()) + 1
     return text[start:start + 6000] + "\n[…]\n" + text[-tail:]
+
+
+def rank_results(out_dir, rank: int) -> dict | None:
+    """{check name: results} that rank ``rank`` of a cp_worker launch wrote into ``out_dir``
+    (one file per check, in order: ``cp_worker.main``), or None where it wrote none."""
+    files = sorted(Path(out_dir, f"rank{rank}").glob("*.pt"))
+    return dict(torch.load(f, weights_only=False) for f in files) if files else None

@@ -17,7 +17,9 @@ distributed check of that size and writes what it measured; the tests compare (t
   train-mode GPT-2 with embedding dropout (``dropout``); then a dead peer (rank 1 exits,
   rank 0 must get a clear error, not a hang).
 
-Each rank writes OUT_DIR/rank{r}.pt after every check: {check name: results}. An engine
+Each rank writes OUT_DIR/rank{r}/NNN.pt after every check: (check name, results), read back
+by ``oracles.rank_results`` (one file per check: rewriting one file of every result so far
+after each check wrote ~1 GB per rank). An engine
 case records, on the same batches the single-process oracle gets in the test process:
 full per-sample gradients, the clipped (noise-free) gradient after ``finalize``, the same
 without the overlap pass, a noisy gradient (fixed insecure seed, so the oracle can draw
@@ -26,6 +28,7 @@ of its graph run over, the ring op's block counts, and the parameters after ``CP
 SGD steps on the clipped sums (a ``light`` case: not the two middle ones).
 """
 import datetime
+import itertools
 import os
 import sys
 import time
@@ -453,28 +456,29 @@ def teardown() -> dict:
     return {"before": before, "after": gloo_threads()}
 
 
-def _save(results: dict, path: str) -> None:
+def _save(out_dir: str, index: int, name: str, results) -> None:
     """Written whole or not at all: torchrun ends the other ranks when one fails, maybe mid-write."""
-    torch.save(results, path + ".tmp")
+    path = os.path.join(out_dir, f"{index:03d}.pt")
+    torch.save((name, results), path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
 def main():
-    out_path = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt")
+    out_dir = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}")
+    os.makedirs(out_dir, exist_ok=True)
     dist.init_process_group(serial_gloo(), timeout=datetime.timedelta(seconds=300))  # see serial_gloo
     world = dist.get_world_size()
-    results = {}
+    checks = itertools.count()
 
     def record(name, fn, *args):
         start = time.time()
         try:
-            results[name] = fn(*args)
+            result = fn(*args)
         except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            _save(results, out_path)
+            _save(out_dir, next(checks), name, {"error": traceback.format_exc()})
             raise  # the ranks would fall out of step: stop the launch (the tests show the error)
-        results[name]["_seconds"] = time.time() - start
-        _save(results, out_path)
+        result["_seconds"] = time.time() - start
+        _save(out_dir, next(checks), name, result)
 
     if world == 4:
         for cp in (4, 2):
