@@ -149,15 +149,11 @@ def _points(spec: GraphSpec) -> tuple[int, ...]:
     return fit_points(spec.sp, quadratic=spec.model.startswith(HF_CONFIG))
 
 
-def _layer_count(spec: GraphSpec) -> int:
-    return dict(spec.overrides).get("n_layers", model_shape(spec.model)["layers"])
-
-
 def _layer_specs(spec: GraphSpec) -> list[GraphSpec] | None:
     """The specs of the same graph with ``plan_layers.LAYERS`` decoder layers, when ``spec``'s
     model has more than ``plan_layers.WHOLE_UP_TO`` (a reference Llama; a Hugging Face model is
     always captured whole)."""
-    if spec.model.startswith(HF_CONFIG) or _layer_count(spec) <= plan_layers.WHOLE_UP_TO:
+    if spec.model.startswith(HF_CONFIG) or spec.layers <= plan_layers.WHOLE_UP_TO:
         return None
     overrides = {k: v for k, v in spec.overrides if k != "n_layers"}
     own = model_shape(spec.model)["layers"]
@@ -173,13 +169,13 @@ def fit_requests(specs) -> list[tuple[GraphSpec, int]]:
 
 def fit_graph(spec: GraphSpec, cache_dir: Path | None = None, points: tuple[int, ...] | None = None) -> GraphFit:
     """Each node's live bytes as a function of T, from captures at ``points`` (default: the fit
-    points). A reference Llama of more than 18 layers is captured at 4, 5 and 6 layers and
-    extrapolated in layers (``tools.plan_layers``, checked to the byte on those captures); where
-    that check fails, it is captured whole."""
+    points). A reference Llama of more than ``plan_layers.WHOLE_UP_TO`` layers is captured at
+    ``plan_layers.LAYERS`` layers and extrapolated in layers (checked to the byte on those
+    captures); where that check fails, it is captured whole."""
     points = points or _points(spec)
     small = _layer_specs(spec)
     if small:
-        caps = [_extrapolated(small, T, _layer_count(spec), cache_dir) for T in points]
+        caps = [_extrapolated(small, T, spec.layers, cache_dir) for T in points]
         if all(caps):
             return GraphFit.from_captures(spec, *caps, layers=LAYERS)
     return GraphFit.from_captures(spec, *(measure(spec, T, cache_dir) for T in points))
@@ -413,7 +409,7 @@ def format_plan(plans: list[LayoutPlan], *, header: str) -> str:
                                if len(first.fit.T_points) == 3 else "") + " from captures at T = " +
         ", ".join(f"{'/'.join(map(str, p.fit.T_points))} ({p.title})" for p in plans) +
         "".join(f"; {p.title}: captured at {'/'.join(map(str, p.fit.layers))} layers and extrapolated to "
-                f"{_layer_count(p.spec)} (checked to the byte on those captures)" for p in plans if p.fit.layers) +
+                f"{p.spec.layers} (checked to the byte on those captures)" for p in plans if p.fit.layers) +
         (" (exact for this graph: flash attention, no T x T tensor)." if len(first.fit.T_points) == 2 else "."),
         f"overhead = {first.overhead / GiB:g} GiB fixed (default: an 80 GB H100 exposes 79.2 GiB, CUDA context + "
         "cuBLAS + NCCL take 1.2 GiB, measured; allocator fragmentation 3 GiB, longshield.md Table 5 text); "

@@ -109,6 +109,11 @@ class GraphSpec:
                 f" checkpoint={self.checkpoint or 'none'} mbs={self.mbs} {self.dtype}")
 
     @property
+    def layers(self) -> int:
+        """Decoder layers of the graph (an ``n_layers`` override, else the model's own)."""
+        return dict(self.overrides).get("n_layers", model_shape(self.model)["layers"])
+
+    @property
     def plain(self) -> "GraphSpec":
         """The same graph without activation checkpointing."""
         return dataclasses.replace(self, checkpoint=None)
@@ -286,8 +291,7 @@ def measure(spec: GraphSpec, T: int, cache_dir: Path | None = None) -> Capture:
 
 def _cost(spec: GraphSpec) -> float:
     """Relative capture time (nodes grow with layers; cp adds ring attention and collectives)."""
-    layers = dict(spec.overrides).get("n_layers", model_shape(spec.model)["layers"])
-    return layers * (1.4 if spec.sp > 1 else 1.0) * (1.2 if spec.checkpoint else 1.0)
+    return spec.layers * (1.4 if spec.sp > 1 else 1.0) * (1.2 if spec.checkpoint else 1.0)
 
 
 def prefetch(requests: Iterable[tuple[GraphSpec, int]], cache_dir: Path | None = None, jobs: int = 1) -> None:
