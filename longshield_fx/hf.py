@@ -26,11 +26,13 @@ held-out set, which is never trained on and which ε does not protect.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -308,7 +310,7 @@ class DPTrainerMixin:
                              compute_dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
         _drop_input_require_grads_hooks(self.model)
         mesh, self._dp, self._dp_rank = self._mesh()
-        self._dp_group = mesh["dp"].get_group() if self._dp > 1 else None
+        self._dp_mesh = mesh["dp"] if self._dp > 1 else None  # not its group: see _release_process_groups
         loss = PackedCausalLMLoss(self.model) if p.pack_seq_len else CausalLMLoss(self.model)
         self.engine = lf.compile(loss, mesh, config=config, checkpoint=self._checkpoint, fsdp=p.fsdp,
                                  packed_units=self._sampler.unit_slots if p.pack_seq_len else 0)
@@ -348,6 +350,8 @@ class DPTrainerMixin:
         override = {} if device == "cuda" else {name: serial_gloo() for name in names}
         mesh = init_device_mesh(device, (dp, cp) if dp > 1 else (cp,), mesh_dim_names=names,
                                 backend_override=override)
+        if not _GROUPS_RELEASED_AT_EXIT:
+            _GROUPS_RELEASED_AT_EXIT.append(atexit.register(_release_process_groups))
         return mesh, dp, (mesh["dp"].get_local_rank() if dp > 1 else 0)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
@@ -423,7 +427,7 @@ class DPTrainerMixin:
         self.engine.finalize(inputs)
         if self._dp > 1:  # every dp group ran its share; the logged loss is the logical batch's
             both = torch.tensor([loss, tokens], dtype=torch.float64, device=self.args.device)  # NCCL: on GPU
-            torch.distributed.all_reduce(both, group=self._dp_group)
+            torch.distributed.all_reduce(both, group=self._dp_mesh.get_group())
             loss, tokens = float(both[0]), int(both[1])
         return torch.tensor(loss / max(tokens, 1), device=self.args.device)
 
@@ -511,6 +515,25 @@ class DPTrainerMixin:
     def hyperparameter_search(self, *args, **kwargs):
         raise ValueError("DPTrainer: hyperparameter search trains many models on the private data, and each trial "
                          "spends privacy that this trainer does not account; tune on public data")
+
+
+_GROUPS_RELEASED_AT_EXIT: list = []  # the exit handler, once registered in this process
+
+
+def _release_process_groups() -> None:
+    """At interpreter exit, while it is whole: every process group destroyed and its threads joined.
+
+    A Trainer script ends without destroying its groups, and the mesh's (DTensor parameters and
+    DTensor's caches hold it) would run their gloo threads into interpreter finalization, where one
+    can abort a rank that finished everything ("terminate called without an active exception",
+    ``_torch.destroy_process_groups``). The script's evaluation and saving after ``train()`` still
+    need the groups, so this runs at exit, not when training ends; a group is reached through the
+    meshes that hold it, never kept in a trainer's attribute. After an uncaught exception the
+    peers may be gone or mid-collective: the groups are then only destroyed, nothing is waited on."""
+    from ._torch import destroy_process_groups
+
+    failed = hasattr(sys, "last_exc") or hasattr(sys, "last_value")  # set by the uncaught exception's report
+    destroy_process_groups(peers_finished=not failed)
 
 
 class DPTrainer(DPTrainerMixin, transformers.Trainer):

@@ -63,9 +63,29 @@ SEED = 7
 
 NOISELESS = PRIVATE.replace("noise_multiplier=1.0", "noise_multiplier=0.0")
 
-TORCHRUN = ("import os\nMODEL_DIR, DATA, OUT, SEED = os.environ['MODEL_DIR'], os.environ['DATA'], os.environ['OUT'], 7\n"
+# Each rank writes the names of its gloo threads at the script's end (gloo_threads/end-rank{r}) and
+# at exit, after DPTrainer's exit handler joined them (exit-rank{r}): atexit runs the handler
+# registered first last, and this one is registered before DPTrainer exists.
+GLOO_THREADS = '''import atexit, os
+from pathlib import Path
+
+
+def gloo_threads(when):
+    tasks = Path("/proc/self/task")
+    names = sorted(n for n in ((t / "comm").read_text().strip() for t in tasks.iterdir()) if "gloo" in n)
+    folder = Path(os.environ["OUT"], "gloo_threads")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{when}-rank{os.environ['RANK']}").write_text("\\n".join(names))
+
+
+atexit.register(gloo_threads, "exit")
+'''
+
+TORCHRUN = (GLOO_THREADS
+            + "MODEL_DIR, DATA, OUT, SEED = os.environ['MODEL_DIR'], os.environ['DATA'], os.environ['OUT'], 7\n"
             + NOISELESS.replace("insecure_seed=SEED)", "insecure_seed=SEED, cp=2, fsdp=os.environ['FSDP'].split(','))")
-            .replace("trainer.train()", "trainer.train(resume_from_checkpoint=os.environ.get('RESUME'))"))
+            .replace("trainer.train()", "trainer.train(resume_from_checkpoint=os.environ.get('RESUME'))")
+            + 'gloo_threads("end")\n')
 
 
 def folders(root: Path) -> tuple[str, str]:

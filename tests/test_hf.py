@@ -275,8 +275,16 @@ def test_torchrun_dp2_cp2_fsdp_equals_one_process_and_resumes_on_2_ranks(distrib
     """The same script under torchrun (run in the background: ``hf_trainer_script.py``): 4 gloo ranks
     as dp = 2 x cp = 2 with ZeRO-3 over both, and its checkpoint-3 resumed on 2 ranks (cp = 2,
     sharded over cp). Noise 0: both end at the one-process model within 1e-5; evaluation and the
-    saved folder gather the shards."""
+    saved folder gather the shards. Every rank's gloo threads, running at the script's end, are
+    joined at exit, before the interpreter finalizes (left running, one can abort a finished rank:
+    ``_torch.destroy_process_groups``)."""
     out = distributed.hf_trainer()
+    for run_dir, ranks in (("dp2cp2", 4), ("cp2", 2)):
+        threads = out / run_dir / "gloo_threads"
+        for rank in range(ranks):
+            running = (threads / f"end-rank{rank}").read_text().split()
+            assert "pt_gloo_runloop" in running and "gloo_tcp_loop" in running, (run_dir, rank, running)
+            assert (threads / f"exit-rank{rank}").read_text().split() == [], (run_dir, rank)
     start = _weights(folders[1])
     for name, p in _weights(out / "model").items():  # the launch built the same model as this module
         assert torch.equal(p, start[name]), name

@@ -341,9 +341,9 @@ class Engine:
         sh = self.sharding
         if sh is None:
             return {}
-        return {"fsdp_size": sh.n, "fsdp_group_name": sh.group.group_name, "fsdp_rank": sh.index,
+        return {"fsdp_size": sh.n, "fsdp_group_name": sh.group_name, "fsdp_rank": sh.index,
                 "fsdp_sp_ranks": tuple(self.parallel.sp_rank_of(r) for r in sh.members),
-                "fsdp_replica_group_name": None if sh.replica_group is None else sh.replica_group.group_name,
+                "fsdp_replica_group_name": sh.replica_group_name,
                 "reshard_after_forward": sh.reshard_after_forward}
 
     def _args(self, captured, sharded_batch, cotangent) -> list:
@@ -586,7 +586,7 @@ class Engine:
 
     def _group_ranks(self) -> dict[str, int]:
         """This rank's index in the groups ``Parallel`` does not hold (the fsdp group)."""
-        return {} if self.sharding is None else {self.sharding.group.group_name: self.sharding.index}
+        return {} if self.sharding is None else {self.sharding.group_name: self.sharding.index}
 
     def __repr__(self) -> str:
         sharding = "" if self.sharding is None else f", {self.sharding}"

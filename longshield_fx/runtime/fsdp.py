@@ -32,9 +32,9 @@ from ..errors import UnsupportedModelError
 
 
 class Sharding:
-    """How model states are sharded: ``n`` shards over ``group`` (this rank holds shard
+    """How model states are sharded: ``n`` shards over ``group_name`` (this rank holds shard
     ``index``; ``members[i]`` is the global rank holding shard i), replicated over
-    ``replica_group`` (None: every rank holds its own shard);
+    ``replica_group_name`` (None: every rank holds its own shard);
     whether the backward gathers again (``reshard_after_forward``)."""
 
     def __init__(self, mesh, dims: tuple[str, ...], reshard_after_forward: bool = True):
@@ -63,11 +63,12 @@ class Sharding:
             self.placements = (Shard(0), Replicate()) if at == 0 else (Replicate(), Shard(0))
         else:
             self.placements = (Shard(0),)
-        self.group = self.mesh.get_group(at)
-        self.replica_group = self.mesh.get_group(1 - at) if replicate else None
-        self.n = dist.get_world_size(self.group)
-        self.index = dist.get_rank(self.group)
-        self.members = dist.get_process_group_ranks(self.group)  # global ranks, by shard
+        group = self.mesh.get_group(at)  # kept by name, as Parallel keeps its groups
+        self.group_name = group.group_name
+        self.replica_group_name = self.mesh.get_group(1 - at).group_name if replicate else None
+        self.n = dist.get_world_size(group)
+        self.index = dist.get_rank(group)
+        self.members = dist.get_process_group_ranks(group)  # global ranks, by shard
 
     @classmethod
     def from_mesh(cls, mesh, dims, reshard_after_forward: bool = True) -> "Sharding | None":

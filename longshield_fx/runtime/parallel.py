@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._torch import c10d, flattened_group, gloo_worker_threads
+from .._torch import c10d, flattened_group, gloo_worker_threads, resolve_process_group
 from ..losses import (CausalLMLoss, PackedCausalLMLoss, ShardedCausalLMLoss, ShardedPackedCausalLMLoss,
                       document_segments, shift_labels)
 from ..ops.ring_attention import zigzag_index
@@ -40,19 +40,21 @@ def _rank(group) -> int:
 
 class Parallel:
     """The groups of a mesh: ``cp`` (the attention ring), ``hp`` (the head all-to-all),
-    ``sp`` (both: per-sample gradient reduce-scatter, norms, losses) and ``dp``."""
+    ``sp`` (both: per-sample gradient reduce-scatter, norms, losses) and ``dp``.
+
+    Kept by name, resolved when used: an engine outliving ``destroy_process_group`` (a Trainer
+    script's, held to the end) must not keep a group, and its threads, alive into interpreter
+    finalization (``_torch.destroy_process_groups``)."""
 
     def __init__(self, mesh=None, cp_group=None, dp_group=None, hp_group=None, sp_group=None,
                  inner_ring: int | None = None, packed: bool = False):
         self.mesh = mesh
         self.packed = packed  # batches of packed documents: (input_ids, labels, position_ids, units)
-        self.cp_group, self.dp_group, self.hp_group = cp_group, dp_group, hp_group
-        self.sp_group = sp_group if sp_group is not None else (cp_group if hp_group is None else hp_group)
-        self.cp, self.dp, self.hp, self.sp = _size(cp_group), _size(dp_group), _size(hp_group), _size(self.sp_group)
-        self.cp_rank, self.hp_rank, self.sp_rank = _rank(cp_group), _rank(hp_group), _rank(self.sp_group)
-        self.cp_group_name = cp_group.group_name if cp_group is not None else None
-        self.hp_group_name = hp_group.group_name if hp_group is not None else None
-        self.sp_group_name = self.sp_group.group_name if self.sp_group is not None else None
+        sp_group = sp_group if sp_group is not None else (cp_group if hp_group is None else hp_group)
+        self.cp, self.dp, self.hp, self.sp = _size(cp_group), _size(dp_group), _size(hp_group), _size(sp_group)
+        self.cp_rank, self.hp_rank, self.sp_rank = _rank(cp_group), _rank(hp_group), _rank(sp_group)
+        self.cp_group_name, self.dp_group_name, self.hp_group_name, self.sp_group_name = (
+            g.group_name if g is not None else None for g in (cp_group, dp_group, hp_group, sp_group))
         self.inner_ring = inner_ring or self.cp  # w: the double ring's inner ring size (cp: one ring)
         if self.cp % self.inner_ring:
             raise ValueError(f"compile: inner_ring={inner_ring} must divide cp={self.cp} (the mesh's 'cp' size)")
@@ -170,25 +172,25 @@ class Parallel:
         if self.dp == 1:
             return count
         t = torch.tensor([count], dtype=torch.int64, device=self.mesh.device_type)
-        dist.all_reduce(t, group=self.dp_group)
+        dist.all_reduce(t, group=resolve_process_group(self.dp_group_name))
         return int(t.item())
 
     def sum_over_sp(self, t: torch.Tensor) -> torch.Tensor:
         if self.sp == 1:
             return t
         t = t.clone()
-        dist.all_reduce(t, group=self.sp_group)
+        dist.all_reduce(t, group=resolve_process_group(self.sp_group_name))
         return t
 
     def full_clipped_sum(self, total: torch.Tensor, shard_dim: int | None) -> torch.Tensor:
         if self.sp > 1 and shard_dim is not None:
             front = total.movedim(shard_dim, 0).contiguous()
             gathered = front.new_empty((front.shape[0] * self.sp, *front.shape[1:]))
-            dist.all_gather_single(gathered, front, group=self.sp_group)
+            dist.all_gather_single(gathered, front, group=resolve_process_group(self.sp_group_name))
             total = gathered.movedim(0, shard_dim)
         if self.dp > 1:
             total = total.contiguous().clone()
-            dist.all_reduce(total, group=self.dp_group)
+            dist.all_reduce(total, group=resolve_process_group(self.dp_group_name))
         return total
 
     @contextlib.contextmanager

@@ -92,7 +92,7 @@ def test_each_parameter_enters_as_its_padded_shard_and_is_only_gathered(plain):
         full = model.get_parameter(name).shape
         rows = math.ceil(full[0] / N)
         assert tuple(ph.meta["val"].shape) == (rows, *full[1:]), name
-        assert users and all(u.target == GATHER and u.args[1:] == (N, plain.engine.sharding.group.group_name)
+        assert users and all(u.target == GATHER and u.args[1:] == (N, plain.engine.sharding.group_name)
                              for u in users), name
         assert tuple(chain(users[0])[-1].meta["val"].shape) == tuple(full), name  # the padding rows are sliced off
     assert math.ceil(250 / N) * N != 250  # the vocabulary's shards are uneven
@@ -174,7 +174,7 @@ def test_bf16_compute_gathers_bf16_while_the_shards_stay_fp32(fake_world):
         ids = torch.zeros(2, 32, dtype=torch.long)
         gm = engine.lower(ids, ids).gm
         masters = {p.to_local().dtype for p in model.parameters()}
-        fsdp_group = engine.sharding.group.group_name
+        fsdp_group = engine.sharding.group_name
     gathers = [n for n in gm.graph.nodes if n.target == GATHER and n.args[2] == fsdp_group]  # not the token rows'
     assert gathers and {g.meta["val"].dtype for g in gathers} == {torch.bfloat16}
     assert {g.args[0].meta["val"].dtype for g in gathers} == {torch.bfloat16}  # cast before the gather
