@@ -206,6 +206,7 @@ class DPTrainerMixin:
     ``bf16=True`` to a bfloat16 compute dtype. The Trainer's checkpoint folders also hold a
     ``longshield/`` folder (model, optimizer, accountant and sampler: SECRET, store it like the data);
     ``train(resume_from_checkpoint=...)`` continues the run's sampling and accounting, with fresh noise.
+    Under torchrun, the process groups are destroyed at interpreter exit (``_release_process_groups``).
     """
 
     def __init__(self, *args, privacy: PrivacyArguments, **kwargs):

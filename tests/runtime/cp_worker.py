@@ -28,6 +28,7 @@ of its graph run over, the ring op's block counts, and the parameters after ``CP
 SGD steps on the clipped sums (a ``light`` case: not the two middle ones).
 """
 import datetime
+import gc
 import itertools
 import os
 import sys
@@ -467,6 +468,7 @@ def main():
     out_dir = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}")
     os.makedirs(out_dir, exist_ok=True)
     dist.init_process_group(serial_gloo(), timeout=datetime.timedelta(seconds=300))  # see serial_gloo
+    gc.set_threshold(50_000, 10, 10)  # as tests/conftest.py
     world = dist.get_world_size()
     checks = itertools.count()
 
