@@ -109,7 +109,7 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True,
                                     allow_rnn=True), \
             _without_onednn(), _use_lazy_graph_module(True), \
-            fx_traceback.preserve_node_meta(), _buffer_flags_readable(), _fewer_gc_passes():
+            fx_traceback.preserve_node_meta(), _buffer_flags_readable():
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -121,7 +121,6 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     guards = DynamoGuards.build(dynamo_gm, model)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_fewer_gc_passes())
         stack.enter_context(torch._guards.tracing(dynamo_gm.meta["tracing_context"]))
         stack.enter_context(_without_onednn())
         stack.enter_context(_use_lazy_graph_module(True))
@@ -138,23 +137,6 @@ def _only_output_collector(message: str) -> bool:
         return False
     sources = [src.strip(" '\"") for src in message[message.index("[") + 1:message.rindex("]")].split(",")]
     return bool(sources) and all(src.endswith("output_capturing']._active_collector") for src in sources)
-
-
-@contextlib.contextmanager
-def _fewer_gc_passes():
-    """Python's cyclic garbage collector run less often while tracing. Dynamo and aot-autograd
-    allocate millions of short-lived containers, so the default young-generation threshold
-    (700 allocations) runs a collection every few hundred of them, each promoting survivors
-    that later full collections traverse again: about 10% of a capture's time. The threshold
-    is restored after (cycles made meanwhile are collected by the next collection)."""
-    import gc
-
-    thresholds = gc.get_threshold()
-    gc.set_threshold(max(thresholds[0], 50_000), *thresholds[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
 
 
 @contextlib.contextmanager

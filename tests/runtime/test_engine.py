@@ -538,3 +538,29 @@ def test_overlap_is_left_out_where_gloo_runs_collectives_on_several_threads(back
         assert ("overlap" in [p.__name__ for p in engine.pipelines["train"]]) == overlapped
     finally:
         dist.destroy_process_group()
+
+
+def test_lowering_leaves_the_garbage_collectors_thresholds_as_it_found_them():
+    """Capture and lowering run the cyclic GC less often (``engine._fewer_gc_passes``), and give
+    the process its own thresholds back, after a graph and after a refusal."""
+    import gc
+
+    kept = gc.get_threshold()
+    try:
+        gc.set_threshold(1234, 5, 6)
+        lf.compile(MLP(), config=lf.DPConfig(1.0, 0.0)).per_sample_grads(*mlp_batch())
+        assert gc.get_threshold() == (1234, 5, 6)
+
+        class BatchMixing(nn.Module):  # mixes samples: refused while lowering
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(3))
+
+            def forward(self, x):
+                return (x * self.w).sum(1) + (x * self.w).mean()
+
+        with pytest.raises(lf.UnsupportedModelError):
+            lf.compile(BatchMixing(), config=lf.DPConfig(1.0, 0.0)).per_sample_grads(torch.randn(4, 3))
+        assert gc.get_threshold() == (1234, 5, 6)
+    finally:
+        gc.set_threshold(*kept)
