@@ -37,6 +37,7 @@ def _threaded_gloo(mesh) -> bool:
     """Whether a group of ``mesh`` is gloo with more than one worker thread."""
     return mesh is not None and any(gloo_worker_threads(mesh.get_group(d)) > 1 for d in range(mesh.ndim))
 
+
 @contextlib.contextmanager
 def _fewer_gc_passes():
     """Python's cyclic garbage collector run less often while capturing and lowering. Dynamo,
