@@ -351,8 +351,8 @@ class DPTrainerMixin:
         override = {} if device == "cuda" else {name: serial_gloo() for name in names}
         mesh = init_device_mesh(device, (dp, cp) if dp > 1 else (cp,), mesh_dim_names=names,
                                 backend_override=override)
-        if not _GROUPS_RELEASED_AT_EXIT:
-            _GROUPS_RELEASED_AT_EXIT.append(atexit.register(_release_process_groups))
+        atexit.unregister(_release_process_groups)  # registered once per process, whatever the trainers
+        atexit.register(_release_process_groups)
         return mesh, dp, (mesh["dp"].get_local_rank() if dp > 1 else 0)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
@@ -516,9 +516,6 @@ class DPTrainerMixin:
     def hyperparameter_search(self, *args, **kwargs):
         raise ValueError("DPTrainer: hyperparameter search trains many models on the private data, and each trial "
                          "spends privacy that this trainer does not account; tune on public data")
-
-
-_GROUPS_RELEASED_AT_EXIT: list = []  # the exit handler, once registered in this process
 
 
 def _release_process_groups() -> None:

@@ -639,4 +639,3 @@ def _check_no_forward_holds_a_module(model: nn.Module) -> None:
                     f"({func.__module__}), which holds a module; capturing in compute_dtype copies the model, and the "
                     "copy would run the original's weights. Way out: a compute_dtype equal to the parameters' dtype "
                     "(bf16=False in Trainer arguments), or remove the replaced forward")
-
