@@ -8,8 +8,8 @@ rewrites builds its own). Oracles and the tiny models themselves live in ``oracl
 
 Multi-process checks run in ONE torchrun launch of ``runtime/cp_worker.py`` per world size
 (``distributed``). Tests that read a launch are marked ``torchrun(world)``; the launches
-they need start in the background as soon as collection ends and those tests run last, so
-the launches run while the single-process tests do. The Hugging Face zoo (``hf_zoo.py``,
+they need start in the background as soon as collection ends and those tests run late, so
+the launches run while the single-process tests do (``_stage``). The Hugging Face zoo (``hf_zoo.py``,
 its own process) runs after them the same way, for tests marked ``hf_zoo``, and then the
 Trainer's torchrun launches (``hf_trainer_script.py``) for tests marked ``hf_trainer``. All are
 also ``slow``: ``-m "not slow"`` skips the background runs altogether.
@@ -265,15 +265,30 @@ def distributed():
     return _LAUNCHES
 
 
+PLANNER_TESTS = "tests/tools/test_plan.py"  # its module fixture captures in two worker processes
+
+
+def _stage(item) -> int:
+    """When a test runs. The suite is CPU-bound on 2 cores, so the order keeps both busy to the
+    end. 0: the tests that need no launch. 1: tests that read a cp_worker launch (the chain's first,
+    ended by then). 2: the planner's, whose fixture's two capture workers run beside the zoo and
+    the Trainer's launches, the chain's last. 3: tests that read those two."""
+    if item.get_closest_marker("hf_zoo") is not None or item.get_closest_marker("hf_trainer") is not None:
+        return 3
+    if item.get_closest_marker("torchrun") is not None:
+        return 1
+    return 2 if item.nodeid.startswith(PLANNER_TESTS) else 0
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests that read a launch are ``slow`` (before -m deselects: the launch is slow, whatever
-    the test takes) and run last, so the launches run while the other tests do."""
+    the test takes) and run once their launch has (nearly) ended (``_stage``)."""
     background = ("torchrun", "hf_zoo", "hf_trainer")
     for item in items:
         if any(item.get_closest_marker(m) is not None for m in background):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: any(item.get_closest_marker(m) is not None for m in background))  # stable
+    items.sort(key=_stage)  # stable
 
 
 def pytest_collection_finish(session):

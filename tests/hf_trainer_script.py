@@ -70,9 +70,15 @@ GLOO_THREADS = '''import atexit, os
 from pathlib import Path
 
 
+def comm(task):
+    try:
+        return task.joinpath("comm").read_text().strip()
+    except FileNotFoundError:  # a thread that ended after the listing
+        return ""
+
+
 def gloo_threads(when):
-    tasks = Path("/proc/self/task")
-    names = sorted(n for n in ((t / "comm").read_text().strip() for t in tasks.iterdir()) if "gloo" in n)
+    names = sorted(n for n in map(comm, Path("/proc/self/task").iterdir()) if "gloo" in n)
     folder = Path(os.environ["OUT"], "gloo_threads")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{when}-rank{os.environ['RANK']}").write_text("\\n".join(names))
