@@ -43,7 +43,7 @@ def pytest_configure(config):
     # machine, shared with the background torchrun ranks, OpenMP spin-waits made a tiny
     # Llama step 80x slower (0.96 s instead of 0.012 s, measured under load 3).
     torch.set_num_threads(1)
-    # Fewer cyclic-GC passes, as the capture itself runs (``_torch._fewer_gc_passes``), for the
+    # Fewer cyclic-GC passes, as the capture itself runs (``runtime.engine._fewer_gc_passes``), for the
     # whole session: the tests allocate like the capture does (6-8% less CPU for the zoo).
     gc.set_threshold(50_000, 10, 10)
 
@@ -265,7 +265,7 @@ def distributed():
     return _LAUNCHES
 
 
-PLANNER_TESTS = "tests/tools/test_plan.py"  # its module fixture captures in two worker processes
+PLANNER_TESTS = Path(__file__).parent / "tools" / "test_plan.py"  # its module fixture captures in two workers
 
 
 def _stage(item) -> int:
@@ -277,7 +277,7 @@ def _stage(item) -> int:
         return 3
     if item.get_closest_marker("torchrun") is not None:
         return 1
-    return 2 if item.nodeid.startswith(PLANNER_TESTS) else 0
+    return 2 if item.path == PLANNER_TESTS else 0
 
 
 @pytest.hookimpl(tryfirst=True)
