@@ -331,6 +331,8 @@ def step(args) -> None:
 # ---------------------------------------------------------------- packed documents
 
 def packed(args) -> None:
+    if args.speed_only:
+        return attention_speed(torch.device(args.device), args.seq_lens)
     import longshield_fx as lf
     from longshield_fx.data import LogicalBatch
     from longshield_fx.models.llama import Llama
@@ -446,49 +448,93 @@ def attention_exactness(device) -> None:
         print(f"isolation, {str(dtype)[6:]}: largest change outside the replaced document {worst:.1e}")
 
 
+def _step_documents(T: int, g: torch.Generator) -> torch.Tensor:
+    """(1, T) ids of documents of log-normal lengths (median T/2), as ``step``'s packed rows hold."""
+    lengths = torch.exp(torch.randn(64, generator=g) + torch.log(torch.tensor(T / 2))).long().clamp(min=2)
+    ends = lengths.cumsum(0)
+    lengths = lengths[: int((ends < T).sum()) + 1]
+    lengths[-1] -= int(lengths.sum()) - T
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
+
+
+def _cudnn_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each document run through cuDNN's variable-length kernel
+    (``aten._cudnn_attention_forward`` with cu_seqlens, autograd's backward), KV heads repeated
+    to the query heads (it takes no GQA): the candidate to replace the document op's FA2."""
+    from longshield_fx.ops.ring_attention import _document_runs, _longest, _tokens_major
+    B, H, L, D = q.shape
+    cu = _document_runs(segments)
+    longest = _longest(cu)
+    rep = H // k.shape[1]
+    out = torch.ops.aten._cudnn_attention_forward(
+        _tokens_major(q), _tokens_major(k.repeat_interleave(rep, 1)), _tokens_major(v.repeat_interleave(rep, 1)),
+        None, cu, cu, longest, longest, True, 0.0, True, False, scale=D**-0.5)[0]
+    return out.view(B, L, H, D).transpose(1, 2)
+
+
 def attention_speed(device, seq_lens) -> None:
-    """Forward + backward of one row (bf16, llama3.2-1b's 32 query / 8 KV heads, D = 64): causal
-    flash, the document op and SDPA under the boolean document mask; median of 5 after a warm-up."""
+    """Forward + backward of one row (bf16, llama3.2-1b's 32 query / 8 KV heads, D = 64) under two
+    document layouts (about 9 documents; ``step``'s, median T/2): causal attention over the whole
+    row (SDPA's choice), the document op (FA2 over the runs), cuDNN's variable-length kernel over
+    the same runs, and SDPA under the boolean document mask; median of 5 after a warm-up. cuDNN's
+    output and gradients are compared with the document op's (max abs difference / max abs)."""
     import longshield_fx.ops.ring_attention  # noqa: F401  (registers the op)
     g = torch.Generator().manual_seed(0)
     print("\n## Packed-document attention on CUDA, bf16, one row of (32 query / 8 KV heads, T, 64), forward + "
           "backward, median of 5\n")
-    print("| T | documents (Σ len² / T²) | causal flash ms / peak GiB | ours (flash over runs) ms / peak GiB | "
-          "SDPA + document mask ms / peak GiB | ours / causal |")
-    print("|---|---|---|---|---|---|")
+    print("| T | layout: documents (Σ len² / T²) | causal (SDPA) ms / peak GiB | ours (FA2 over runs) ms / peak GiB | "
+          "cuDNN varlen ms / peak GiB | SDPA + document mask ms / peak GiB | ours / causal | cuDNN / ours | "
+          "cuDNN vs ours: out, dq, dk, dv |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for seq_len in seq_lens:
-        segments = _document_ids(1, seq_len, 8, g)
-        lengths = torch.unique_consecutive(segments[0], return_counts=True)[1].double()
-        share = float(lengths.pow(2).sum()) / seq_len**2
-        q = torch.randn(1, 32, seq_len, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(1, 8, seq_len, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-                for _ in range(2))
-        seg = segments.to(device)
-        runs = {
-            "causal": lambda: _gqa_sdpa(q, k, v, is_causal=True),
-            "ours": lambda: torch.ops.longshield.ring_attention(q, k, v, 64**-0.5, "unused", 1, 0, seg)[0],
-            "mask": lambda: _gqa_sdpa(q, k, v, attn_mask=((seg[0, :, None] == seg[0, None, :]) & torch.ones(
-                seq_len, seq_len, dtype=torch.bool, device=device).tril())),
-        }
-        cells = {}
-        for name, fn in runs.items():
-            try:
-                times = []
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-                for _ in range(6):
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    fn().float().sum().backward()
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - start)
-                cells[name] = (statistics.median(times[1:]) * 1e3, torch.cuda.max_memory_allocated() / 2**30)
-            except torch.OutOfMemoryError:
-                cells[name] = None
-        fmt = {n: "OOM" if c is None else f"{c[0]:.2f} / {c[1]:.2f}" for n, c in cells.items()}
-        ratio = f"{cells['ours'][0] / cells['causal'][0]:.2f}" if cells["ours"] and cells["causal"] else "-"
-        print(f"| {seq_len} | {len(lengths)} ({share:.3f}) | {fmt['causal']} | {fmt['ours']} | {fmt['mask']} | {ratio} |",
-              flush=True)
+        for layout, segments in (("9 docs", _document_ids(1, seq_len, 8, g)), ("step's", _step_documents(seq_len, g))):
+            lengths = torch.unique_consecutive(segments[0], return_counts=True)[1].double()
+            share = float(lengths.pow(2).sum()) / seq_len**2
+            q = torch.randn(1, 32, seq_len, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(1, 8, seq_len, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2))
+            grad = torch.randn_like(q)
+            seg = segments.to(device)
+            runs = {
+                "causal": lambda: _gqa_sdpa(q, k, v, is_causal=True),
+                "ours": lambda: torch.ops.longshield.ring_attention(q, k, v, 64**-0.5, "unused", 1, 0, seg)[0],
+                "cudnn": lambda: _cudnn_runs(q, k, v, seg),
+                "mask": lambda: _gqa_sdpa(q, k, v, attn_mask=((seg[0, :, None] == seg[0, None, :]) & torch.ones(
+                    seq_len, seq_len, dtype=torch.bool, device=device).tril())),
+            }
+            cells, results = {}, {}
+            for name, fn in runs.items():
+                try:
+                    times = []
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    for _ in range(6):
+                        for t in (q, k, v):
+                            t.grad = None
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        out = fn()
+                        out.backward(grad)
+                        torch.cuda.synchronize()
+                        times.append(time.perf_counter() - start)
+                    cells[name] = f"{statistics.median(times[1:]) * 1e3:.2f} / {torch.cuda.max_memory_allocated() / 2**30:.2f}"
+                    results[name] = [out.detach()] + [t.grad for t in (q, k, v)]
+                    del out
+                except torch.OutOfMemoryError:
+                    cells[name] = "OOM"
+                except Exception as e:
+                    cells[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            ms = {n: float(c.split(" / ")[0]) for n, c in cells.items() if " / " in c}
+            ratio = {pair: f"{ms[pair[0]] / ms[pair[1]]:.2f}" if pair[0] in ms and pair[1] in ms else "-"
+                     for pair in (("ours", "causal"), ("cudnn", "ours"))}
+            agree = "-"
+            if "cudnn" in results and "ours" in results:
+                agree = ", ".join(f"{float((a.float() - b.float()).abs().max() / b.float().abs().max()):.1e}"
+                                  for a, b in zip(results["cudnn"], results["ours"]))
+            print(f"| {seq_len} | {layout}: {len(lengths)} ({share:.3f}) | {cells['causal']} | {cells['ours']} | "
+                  f"{cells['cudnn']} | {cells['mask']} | {ratio['ours', 'causal']} | {ratio['cudnn', 'ours']} | {agree} |",
+                  flush=True)
+            del q, k, v, grad, results
 
 
 # ---------------------------------------------------------------- kernels
@@ -569,6 +615,7 @@ def main() -> None:
     k = sub.add_parser("packed")
     k.add_argument("--device", default="cuda")
     k.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
+    k.add_argument("--speed-only", action="store_true", help="only the attention kernels' speed")
     n = sub.add_parser("kernels")
     n.add_argument("--device", default="cuda")
     n.add_argument("--noise-values", type=int, default=1_235_814_400, help="default: llama3.2-1b's parameters")
