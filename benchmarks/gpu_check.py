@@ -3,11 +3,12 @@
 ``packed``, ``step`` and ``dropout`` ran on an H100 (torch 2.11) on 2026-11-26: results in
 benchmarks/results/gpu_h100.md. ``zoo`` and ``step`` ran on an H200 on 2026-11-27 (``step`` again
 after the int32 noise kernel and the LM head's bf16 GEMMs): results in benchmarks/results/gpu_h200.md.
+``kernels``, ``step`` and ``packed --speed-only`` ran on an H200 on 2026-11-28 (sixth session there).
 
     python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
     python benchmarks/gpu_check.py dropout
     python benchmarks/gpu_check.py step [--cases 4096:none 32768:block ...] [--budget S] [--profile]
-    python benchmarks/gpu_check.py packed [--device cuda] [--seq-lens 4096 16384 32768]
+    python benchmarks/gpu_check.py packed [--device cuda] [--seq-lens 4096 16384 32768] [--speed-only]
     python benchmarks/gpu_check.py kernels [--device cuda] [--noise-values N] [--head V D POSITIONS]
 
 ``zoo``: every architecture of tests/hf_zoo.py (tiny random config, B=2, T=12) compiled on
@@ -35,7 +36,8 @@ Llama (fp32, TF32 off) on a packed batch (4 rows of 256, 16 unit slots, document
 rows): each unit's gradient and norm against each unit run alone on the CPU in float64, and the clipped
 sum (σ = 0) against the engine's own on the CPU. The document attention op (cp = 1) on CUDA in fp32
 and bf16 against the float64 CPU oracle, beside SDPA under the boolean mask (the dtype's floor), and
-its isolation. Speed: one bf16 row (32 query / 8 KV heads, T, 64), forward + backward, causal flash,
+its isolation. Speed (alone with ``--speed-only``): one bf16 row (32 query / 8 KV heads, T, 64),
+forward + backward, under about 9 documents and under ``step``'s layout (median T/2): causal flash,
 the op and SDPA under the document mask, median of 5, and the peak memory of each.
 
 ``kernels``: the secure noise's compiled ChaCha20 words against OpenSSL's (bitwise) and its
@@ -457,35 +459,20 @@ def _step_documents(T: int, g: torch.Generator) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
 
 
-def _cudnn_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-    """Causal attention within each document run through cuDNN's variable-length kernel
-    (``aten._cudnn_attention_forward`` with cu_seqlens, autograd's backward), KV heads repeated
-    to the query heads (it takes no GQA): the candidate to replace the document op's FA2."""
-    from longshield_fx.ops.ring_attention import _document_runs, _longest, _tokens_major
-    B, H, L, D = q.shape
-    cu = _document_runs(segments)
-    longest = _longest(cu)
-    rep = H // k.shape[1]
-    out = torch.ops.aten._cudnn_attention_forward(
-        _tokens_major(q), _tokens_major(k.repeat_interleave(rep, 1)), _tokens_major(v.repeat_interleave(rep, 1)),
-        None, cu, cu, longest, longest, True, 0.0, True, False, scale=D**-0.5)[0]
-    return out.view(B, L, H, D).transpose(1, 2)
-
-
 def attention_speed(device, seq_lens) -> None:
     """Forward + backward of one row (bf16, llama3.2-1b's 32 query / 8 KV heads, D = 64) under two
     document layouts (about 9 documents; ``step``'s, median T/2): causal attention over the whole
-    row (SDPA's choice), the document op (FA2 over the runs), cuDNN's variable-length kernel over
-    the same runs, and SDPA under the boolean document mask; median of 5 after a warm-up. cuDNN's
-    output and gradients are compared with the document op's (max abs difference / max abs)."""
+    row (SDPA's choice), the document op (FA2 over the runs) and SDPA under the boolean document
+    mask; median of 5 after a warm-up. (cuDNN's variable-length kernel, ``aten._cudnn_attention_forward``
+    with cu_seqlens, ran here once on an H200 under torch 2.11: 50x slower than FA2 at 4k with wrong
+    gradients, and an illegal memory access at 16k; see benchmarks/results/gpu_h200.md.)"""
     import longshield_fx.ops.ring_attention  # noqa: F401  (registers the op)
     g = torch.Generator().manual_seed(0)
     print("\n## Packed-document attention on CUDA, bf16, one row of (32 query / 8 KV heads, T, 64), forward + "
           "backward, median of 5\n")
     print("| T | layout: documents (Σ len² / T²) | causal (SDPA) ms / peak GiB | ours (FA2 over runs) ms / peak GiB | "
-          "cuDNN varlen ms / peak GiB | SDPA + document mask ms / peak GiB | ours / causal | cuDNN / ours | "
-          "cuDNN vs ours: out, dq, dk, dv |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "SDPA + document mask ms / peak GiB | ours / causal |")
+    print("|---|---|---|---|---|---|")
     for seq_len in seq_lens:
         for layout, segments in (("9 docs", _document_ids(1, seq_len, 8, g)), ("step's", _step_documents(seq_len, g))):
             lengths = torch.unique_consecutive(segments[0], return_counts=True)[1].double()
@@ -498,11 +485,10 @@ def attention_speed(device, seq_lens) -> None:
             runs = {
                 "causal": lambda: _gqa_sdpa(q, k, v, is_causal=True),
                 "ours": lambda: torch.ops.longshield.ring_attention(q, k, v, 64**-0.5, "unused", 1, 0, seg)[0],
-                "cudnn": lambda: _cudnn_runs(q, k, v, seg),
                 "mask": lambda: _gqa_sdpa(q, k, v, attn_mask=((seg[0, :, None] == seg[0, None, :]) & torch.ones(
                     seq_len, seq_len, dtype=torch.bool, device=device).tril())),
             }
-            cells, results = {}, {}
+            cells = {}
             for name, fn in runs.items():
                 try:
                     times = []
@@ -513,28 +499,16 @@ def attention_speed(device, seq_lens) -> None:
                             t.grad = None
                         torch.cuda.synchronize()
                         start = time.perf_counter()
-                        out = fn()
-                        out.backward(grad)
+                        fn().backward(grad)
                         torch.cuda.synchronize()
                         times.append(time.perf_counter() - start)
-                    cells[name] = f"{statistics.median(times[1:]) * 1e3:.2f} / {torch.cuda.max_memory_allocated() / 2**30:.2f}"
-                    results[name] = [out.detach()] + [t.grad for t in (q, k, v)]
-                    del out
+                    cells[name] = (statistics.median(times[1:]) * 1e3, torch.cuda.max_memory_allocated() / 2**30)
                 except torch.OutOfMemoryError:
-                    cells[name] = "OOM"
-                except Exception as e:
-                    cells[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-            ms = {n: float(c.split(" / ")[0]) for n, c in cells.items() if " / " in c}
-            ratio = {pair: f"{ms[pair[0]] / ms[pair[1]]:.2f}" if pair[0] in ms and pair[1] in ms else "-"
-                     for pair in (("ours", "causal"), ("cudnn", "ours"))}
-            agree = "-"
-            if "cudnn" in results and "ours" in results:
-                agree = ", ".join(f"{float((a.float() - b.float()).abs().max() / b.float().abs().max()):.1e}"
-                                  for a, b in zip(results["cudnn"], results["ours"]))
-            print(f"| {seq_len} | {layout}: {len(lengths)} ({share:.3f}) | {cells['causal']} | {cells['ours']} | "
-                  f"{cells['cudnn']} | {cells['mask']} | {ratio['ours', 'causal']} | {ratio['cudnn', 'ours']} | {agree} |",
-                  flush=True)
-            del q, k, v, grad, results
+                    cells[name] = None
+            fmt = {n: "OOM" if c is None else f"{c[0]:.2f} / {c[1]:.2f}" for n, c in cells.items()}
+            ratio = f"{cells['ours'][0] / cells['causal'][0]:.2f}" if cells["ours"] and cells["causal"] else "-"
+            print(f"| {seq_len} | {layout}: {len(lengths)} ({share:.3f}) | {fmt['causal']} | {fmt['ours']} | "
+                  f"{fmt['mask']} | {ratio} |", flush=True)
 
 
 # ---------------------------------------------------------------- kernels

@@ -31,6 +31,12 @@ from .traces import keep_trace, shared_trace, trace, trace_key
 
 log = logging.getLogger(__name__)
 _RECAPTURE_WARNING = 8  # the capture of one graph that warns of repeated recaptures (as dynamo's recompile_limit)
+# The packed isolation probe (Engine._check_units_apart): a unit's norm may move, when only another
+# unit's tokens change, by this many times the most it moves between runs of the same batch (four
+# samples), and never by more than the ceiling. For Gaussian jitter that refuses a correct model in
+# fewer than 1 in 1000 captures. A leak that moves a norm by less is not told apart from the jitter.
+_JITTER_MARGIN = 10.0
+_JITTER_CEILING = 1e-3
 
 
 def _threaded_gloo(mesh) -> bool:
@@ -194,7 +200,14 @@ class Engine:
         next unit's first fails here). Three runs of the train graph at capture; skipped for
         fake tensors and on a fake process group (its collectives leave their outputs unfilled),
         for a batch whose values cannot be varied, and where a unit has no gradient to watch (a
-        batch of padding, as the CLI compiles on)."""
+        batch of padding, as the CLI compiles on).
+
+        A change above the rounding tolerance is measured against the kernels' own run-to-run
+        jitter: two more runs of the unchanged batch. GPU kernels that accumulate with atomics
+        (flash attention's backward) move a correct model's bf16 norms by ~1e-4 from run to run;
+        a change within ``_JITTER_MARGIN`` times the jitter seen, and under ``_JITTER_CEILING``,
+        is that jitter and passes with a warning. Deterministic kernels (every CPU run) show none,
+        so there the tolerance alone decides."""
         from .._torch import FakeTensor, in_fake_world
 
         if any(isinstance(t, FakeTensor) for t in batch) or in_fake_world():
@@ -225,24 +238,34 @@ class Engine:
         if None in probes:
             log.info("engine: the packed isolation probe is skipped: the example batch's values cannot be varied")
             return
-        base, after_first, after_second = (self._probe_norms(lowered, b) for b in ((*batch[:-1], units), *probes))
+        unchanged = (*batch[:-1], units)
+        base, after_first, after_second = (self._probe_norms(lowered, b) for b in (unchanged, *probes))
         if not bool((torch.isfinite(base[:2]) & (base[:2] > 0)).all()):
             log.info("engine: the packed isolation probe is skipped: the example batch gives a unit no finite, "
                      "non-zero gradient to watch")
             return
-        # Under half-precision compute a correct model's norm moved by 3e-6 (bf16 llama3.2-1b on an
-        # H100; flash's backward accumulates with atomics); units that reach each other move it far more.
-        half = self._dtype() in (torch.float16, torch.bfloat16)
-        tolerance = 1e-4 if half else 1e-6
-        for unit, after, other in ((1, after_first, "the first"), (0, after_second, "the second")):
-            if not float((after[unit] - base[unit]).abs()) <= tolerance * float(base[unit].abs()):
-                raise UnsupportedModelError(
-                    f"packed documents: the gradient of one unit changed when only {other} unit's tokens of its "
-                    f"rows changed (norm {float(base[unit]):.6g} -> {float(after[unit]):.6g}): this model lets the "
-                    "units of a row reach each other (e.g. attention without a document mask, or a last token "
-                    "trained on the next unit's first), so a unit would not be one sample. Way out: "
-                    "longshield_fx.PackedCausalLMLoss (block-diagonal causal attention), or unpacked batches "
-                    "(compile without packed_units, CLI --no-pack)")
+
+        def moved(norms: torch.Tensor, unit: int) -> float:
+            return float((norms[unit] - base[unit]).abs() / base[unit].abs())
+        tolerance = 1e-4 if self._dtype() in (torch.float16, torch.bfloat16) else 1e-6
+        watched = ((1, after_first, "the first"), (0, after_second, "the second"))
+        unit, after, other = max(watched, key=lambda w: moved(w[1], w[0]))
+        change = moved(after, unit)
+        if change <= tolerance:
+            return
+        jitter = max(moved(self._probe_norms(lowered, unchanged), u) for _ in range(2) for u in (0, 1))
+        if change <= min(_JITTER_MARGIN * jitter, _JITTER_CEILING):
+            log.warning("engine: the packed isolation probe accepted a unit's norm moved by %.2g (relative) when only "
+                        "another unit's tokens changed: the unchanged batch's norms themselves moved by up to %.2g "
+                        "from run to run (nondeterministic kernels)", change, jitter)
+            return
+        raise UnsupportedModelError(
+            f"packed documents: the gradient of one unit changed when only {other} unit's tokens of its rows changed "
+            f"(norm {float(base[unit]):.6g} -> {float(after[unit]):.6g}, relative {change:.2g}; the unchanged batch "
+            f"moved it by at most {jitter:.2g} from run to run): this model lets the units of a row reach each "
+            "other (e.g. attention without a document mask, or a last token trained on the next unit's first), so "
+            "a unit would not be one sample. Way out: longshield_fx.PackedCausalLMLoss (block-diagonal causal "
+            "attention), or unpacked batches (compile without packed_units, CLI --no-pack)")
 
     def _probe_norms(self, lowered: Lowered, batch: tuple) -> torch.Tensor:
         """The train graph's per-unit norms for ``batch``, every row counted, dropout drawn alike."""
