@@ -18,6 +18,7 @@ MAX_PARAMS parameters) is "no tiny config" without building it (a minute of init
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import inspect
 import signal
@@ -136,7 +137,14 @@ def architectures() -> list[str]:
 
 def tiny_config(model_type: str, layers: int = 2):
     """The tiny config with ``layers`` (1 or 2) decoder layers; one layer is the two-layer
-    config's second: its per-layer kinds (``mlp_layer_types``: the MoE layer of a dense-first MoE)."""
+    config's second: its per-layer kinds (``mlp_layer_types``: the MoE layer of a dense-first MoE).
+    A copy of one made once per process (an architecture asks for it several times; callers set
+    fields on what they get)."""
+    return copy.deepcopy(_tiny_config(model_type, layers))
+
+
+@functools.cache
+def _tiny_config(model_type: str, layers: int):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
     cls = cls.sub_configs[LM_SUB_CONFIG[model_type]] if model_type in LM_SUB_CONFIG else cls
@@ -151,7 +159,7 @@ def tiny_config(model_type: str, layers: int = 2):
     over.update(OVERRIDES.get(model_type, {}))
     over = {k: v for k, v in over.items() if _settable(default, k)}
     if layers == 1:
-        over.update({k: v[-1:] for k, v in _per_layer_kinds(tiny_config(model_type, 2)).items()})
+        over.update({k: v[-1:] for k, v in _per_layer_kinds(_tiny_config(model_type, 2)).items()})
     over.update({k: 0.0 for k, v in vars(default).items() if ("dropout" in k or k.endswith("pdrop"))
                  and isinstance(v, float)})
     try:
