@@ -248,12 +248,12 @@ class Engine:
         def moved(norms: torch.Tensor, unit: int) -> float:
             return float((norms[unit] - base[unit]).abs() / base[unit].abs())
         tolerance = 1e-4 if self._dtype() in (torch.float16, torch.bfloat16) else 1e-6
-        watched = ((1, after_first, "the first"), (0, after_second, "the second"))
-        unit, after, other = max(watched, key=lambda w: moved(w[1], w[0]))
-        change = moved(after, unit)
+        change, unit, after, other = max((moved(after_first, 1), 1, after_first, "the first"),
+                                         (moved(after_second, 0), 0, after_second, "the second"), key=lambda w: w[0])
         if change <= tolerance:
             return
-        jitter = max(moved(self._probe_norms(lowered, unchanged), u) for _ in range(2) for u in (0, 1))
+        repeats = [self._probe_norms(lowered, unchanged) for _ in range(2)]
+        jitter = max(moved(norms, u) for norms in repeats for u in (0, 1))
         if change <= min(_JITTER_MARGIN * jitter, _JITTER_CEILING):
             log.warning("engine: the packed isolation probe accepted a unit's norm moved by %.2g (relative) when only "
                         "another unit's tokens changed: the unchanged batch's norms themselves moved by up to %.2g "
