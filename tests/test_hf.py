@@ -26,7 +26,9 @@ def run(script: str, **names) -> dict:
     return scope
 
 
-@pytest.fixture(scope="module")
+# Session-scoped, as noiseless_run: the test that reads the Trainer's torchrun launches runs at the
+# session's end (conftest._stage), after this module's other tests, and would otherwise rebuild both.
+@pytest.fixture(scope="session")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_trainer")
     return (root, *hts.folders(root))
@@ -98,7 +100,7 @@ def test_released_model_equals_the_engine_loop_and_logs_the_accountants_epsilon(
 
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def noiseless_run(folders):
     """The private script at σ = 0 (so that runs over other layouts can be compared), no evaluation."""
     root, model_dir, data = folders

@@ -38,9 +38,13 @@ HF_CONFIG = "hf-config:"  # a GraphSpec.model of a Hugging Face architecture: th
 
 
 def hf_model(config) -> str:
-    """The ``GraphSpec.model`` of a Hugging Face config (a ``PretrainedConfig``): its whole JSON,
-    so the spec pickles to the capture workers and keys the disk cache by the config's content."""
-    return HF_CONFIG + config.to_json_string(use_diff=False)
+    """The ``GraphSpec.model`` of a Hugging Face config (a ``PretrainedConfig``): its whole JSON
+    but for where it was read from (``_name_or_path``), so the spec pickles to the capture workers
+    and keys the caches by the config's content: one config read from a model folder or from a
+    JSON file, or moved, is one spec."""
+    fields = json.loads(config.to_json_string(use_diff=False))
+    fields.pop("_name_or_path", None)
+    return HF_CONFIG + json.dumps(fields, indent=2, sort_keys=True)
 
 
 def _hf_fields(model: str) -> dict | None:

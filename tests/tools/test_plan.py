@@ -40,14 +40,32 @@ def _cache_dir() -> Path | None:
 
 
 @pytest.fixture(scope="module")
-def captures():
+def qwen(tmp_path_factory):
+    """A tiny Qwen2 config saved as a model folder and as a JSON file, and the spec the planner
+    builds from it (as ``plan --model`` and ``--hf-config`` do: both read the same config)."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("qwen")
+    config = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config.save_pretrained(folder / "model")
+    config.to_json_file(folder / "config.json")
+    config = transformers.AutoConfig.from_pretrained(folder / "model")
+    return folder, config, P.GraphSpec(plan_graphs.hf_model(config), 1, None, 1, "bf16")
+
+
+@pytest.fixture(scope="module")
+def captures(qwen):
     """Every capture this module reads, made once by one pool of two worker processes, costliest
     first: the small model's at its two fit points and a third T (cp=1; cp=2 + block, which
     brings cp=2 without checkpointing along), its 20-layer variant at 4, 5 and 6 layers and whole
     at the third T, the paper models' at their fit points (cp=4 + block, bringing plain cp=4;
-    FSDP-style cp=1; 3B's and 8B's at 4, 5 and 6 layers), and llama3.2-1b at hp=2 x cp=2."""
+    FSDP-style cp=1; 3B's and 8B's at 4, 5 and 6 layers), llama3.2-1b at hp=2 x cp=2, and the
+    tiny Qwen2's at its three fit points and a fourth T."""
     small = [(s, T) for s in SMALL for T in (*P.fit_points(s.cp), third_T(s))] + [(TWENTY, third_T(TWENTY))]
-    plan_graphs.prefetch(small + P.fit_requests([TWENTY] + PAPER + [HP2]), _cache_dir(), jobs=JOBS)
+    hf = qwen[2]
+    plan_graphs.prefetch(small + P.fit_requests([TWENTY] + PAPER + [HP2, hf]) + [(hf, third_T(hf))], _cache_dir(),
+                         jobs=JOBS)
 
 
 @pytest.fixture(scope="module")
@@ -281,31 +299,26 @@ def test_main_plans_2d_attention_with_hp2(plans_4x80, capsys):
     assert two_d.breakdown(T).graph >= plain_cp4.breakdown(T).graph
 
 
-def test_a_hugging_face_model_is_planned_from_its_config(tmp_path, capsys):
+def test_a_hugging_face_model_is_planned_from_its_config(qwen, captures, capsys):
     """`plan --model DIR` and `--hf-config PATH` plan any HF causal LM from its config alone: the
     model states are the real module's parameters and blocks, the per-node affine fit predicts a
     direct capture at a third T, and both flags give the same plan."""
     import torch
     import transformers
 
-    config = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    config.save_pretrained(tmp_path / "qwen")
-    config.to_json_file(tmp_path / "qwen.json")
-    model = plan_graphs.hf_model(config)
+    folder, config, spec = qwen
     lm = transformers.AutoModelForCausalLM.from_config(config)
-    stats = P.model_stats(model)
+    stats = P.model_stats(spec.model)
     assert stats.params == sum(p.numel() for p in lm.parameters())
     blocks = [sum(p.numel() for p in block.parameters()) for block in lm.model.layers]
     assert sorted(stats.units) == sorted(blocks + [lm.model.embed_tokens.weight.numel(),
                                                    lm.lm_head.weight.numel() + lm.model.norm.weight.numel()])
-    spec = P.GraphSpec(model, 1, None, 1, "bf16")
-    T3 = 4 * P.fit_points(1)[1]
+    T3 = third_T(spec)
     predicted, node = P.fit_graph(spec).peak(T3)
     direct = P.measure(spec, T3)
     assert predicted == pytest.approx(max(direct.timeline) + direct.batch_bytes, rel=0.02), node
     tables = []
-    for flag in (["--model", tmp_path / "qwen"], ["--hf-config", tmp_path / "qwen.json"]):
+    for flag in (["--model", folder / "model"], ["--hf-config", folder / "config.json"]):
         argv = ["plan", *flag, "--gpus", 1, "--gpu-mem-gb", 4, "--overhead-gb", 0, "--cache-dir", "", "--jobs", 1]
         assert cli.main([str(a) for a in argv]) == 0
         out = capsys.readouterr().out.splitlines()
