@@ -386,14 +386,11 @@ def _short_chunks(model):
     functions = {inspect.unwrap(f) for f in vars(module).values() if inspect.isfunction(f)}
     saved = []
     for fn in functions:
-        if getattr(fn, "__module__", None) != module.__name__:
-            continue
-        code, defaults = fn.__code__, fn.__defaults__ or ()
-        names = code.co_varnames[:code.co_argcount]
-        first = len(names) - len(defaults)  # the first parameter with a default
-        if "chunk_size" in names[first:] and defaults[names.index("chunk_size") - first] == 64:
+        defaults = fn.__defaults__ or ()
+        with_defaults = fn.__code__.co_varnames[:fn.__code__.co_argcount][-len(defaults):] if defaults else ()
+        i = with_defaults.index("chunk_size") if "chunk_size" in with_defaults else None
+        if fn.__module__ == module.__name__ and i is not None and defaults[i] == 64:
             saved.append((fn, defaults))
-            i = names.index("chunk_size") - first
             fn.__defaults__ = (*defaults[:i], SHORT_CHUNK, *defaults[i + 1:])
     try:
         yield

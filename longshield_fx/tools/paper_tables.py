@@ -115,6 +115,11 @@ def table4_rows(p: ModelPlans) -> list[str]:
     return rows
 
 
+def _paper_v3_max_T(model: str) -> int:
+    """The longest T of the paper's Table 5 that fits with block checkpointing (V3)."""
+    return max(T for T, (_, v3) in PAPER_TABLE5[model].items() if v3 is not None)
+
+
 def table5_rows(p: ModelPlans, mem: float) -> list[str]:
     rows = []
     for T, (paper_v2, paper_v3) in PAPER_TABLE5[p.model].items():
@@ -124,7 +129,7 @@ def table5_rows(p: ModelPlans, mem: float) -> list[str]:
             diff = f"{ours - paper:+.1f}" if paper is not None else ("both OOM" if oom else "ours fits")
             cells += [_gb(paper), f"{ours:.1f}" + (" (OOM)" if oom else ""), diff]
         rows.append(f"| {p.model} | {tokens(T)} | " + " | ".join(cells) + " |")
-    v2_T, v3_T = PAPER_TABLE4[p.model][1][0], max(T for T, (_, v3) in PAPER_TABLE5[p.model].items() if v3 is not None)
+    v2_T, v3_T = PAPER_TABLE4[p.model][1][0], _paper_v3_max_T(p.model)
     rows.append(f"| {p.model} | **max T** | {tokens(v2_T)} | {tokens(p.v2[1].max_T)} | {_steps(p.v2[1].max_T, v2_T)} | "
                 f"{tokens(v3_T)} | {tokens(p.v3.max_T)} | {_steps(p.v3.max_T, v3_T)} |")
     return rows
@@ -186,8 +191,7 @@ def reading(plans: list[ModelPlans]) -> list[str]:
                  + (": below it everywhere. TorchTitan + Opacus keep more than this graph does, and the paper "
                     "blames V3's excess on Opacus fragmentation." if below else "."))
     max_T = [(p.v2[mbs].max_T, T) for p in plans for mbs, (T, _) in PAPER_TABLE4[p.model].items()]
-    max_T += [(p.v3.max_T, max(T for T, (_, v3_gb) in PAPER_TABLE5[p.model].items() if v3_gb is not None))
-              for p in plans]
+    max_T += [(p.v3.max_T, _paper_v3_max_T(p.model)) for p in plans]
     same = sum(ours == paper for ours, paper in max_T)
     ahead = sum(ours is not None and ours > paper for ours, paper in max_T)
     lines.append(f"- Max T in Tables 4 and 5: ours is the paper's power of two in {same} of {len(max_T)} cases, "
