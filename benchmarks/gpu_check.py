@@ -3,7 +3,9 @@
 ``packed``, ``step`` and ``dropout`` ran on an H100 (torch 2.11) on 2026-11-26: results in
 benchmarks/results/gpu_h100.md. ``zoo`` and ``step`` ran on an H200 on 2026-11-27 (``step`` again
 after the int32 noise kernel and the LM head's bf16 GEMMs): results in benchmarks/results/gpu_h200.md.
-``kernels``, ``step`` and ``packed --speed-only`` ran on an H200 on 2026-11-28 (sixth session there).
+``kernels``, ``step`` and ``packed --speed-only`` ran on an H200 on 2026-11-28 (sixth session there);
+the document op's and the ring blocks' exactness (``attention_exactness``), ``packed --speed-only`` and
+``step`` again the same day, before and after cuDNN took the op's one-document rows (seventh session).
 
     python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
     python benchmarks/gpu_check.py dropout
@@ -35,10 +37,13 @@ results); the table compares seconds per 1k document tokens, since it runs about
 Llama (fp32, TF32 off) on a packed batch (4 rows of 256, 16 unit slots, documents split across
 rows): each unit's gradient and norm against each unit run alone on the CPU in float64, and the clipped
 sum (σ = 0) against the engine's own on the CPU. The document attention op (cp = 1) on CUDA in fp32
-and bf16 against the float64 CPU oracle, beside SDPA under the boolean mask (the dtype's floor), and
-its isolation. Speed (alone with ``--speed-only``): one bf16 row (32 query / 8 KV heads, T, 64),
-forward + backward, under about 9 documents and under ``step``'s layout (median T/2): causal flash,
-the op and SDPA under the document mask, median of 5, and the peak memory of each.
+and bf16 against the float64 CPU oracle, beside SDPA under the boolean mask (the dtype's floor): a
+row of many documents beside a row of one, then every row one document; its isolation; and the
+ring's unmasked blocks (cp > 1) in bf16, kernel by kernel. Speed (alone with ``--speed-only``): one
+bf16 row (32 query / 8 KV heads, T, 64), forward + backward, under about 9 documents and under
+``step``'s layout (median T/2): causal SDPA, the op, SDPA under the document mask, SDPA's causal
+kernel once per document, flex attention under a document block mask; median of 5, and the peak
+memory of each.
 
 ``kernels``: the secure noise's compiled ChaCha20 words against OpenSSL's (bitwise) and its
 Gaussian chunk against the CPU path; one chunk's time and a whole draw's (llama3.2-1b's parameter
@@ -412,42 +417,86 @@ def attention_exactness(device) -> None:
     k, v = (torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) for _ in range(2))
     segments = _document_ids(B, T, 12, g)
     segments[0, :3] = torch.tensor([-3, -2, -1])  # three one-token documents
-    mask = ((segments[:, :, None] == segments[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+    segments[1] = 100  # a row that is one document: on Hopper cuDNN's, beside the varlen call for row 0
 
-    def ours(dtype, q=q, k=k, v=v):
+    def document_mask(segs):
+        return ((segs[:, :, None] == segs[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+
+    def ours(dtype, q=q, k=k, v=v, segs=segments):
         qq, kk, vv = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
-        out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments.to(device))
+        out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segs.to(device))
         dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad.to(device, dtype))
         return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
-    def sdpa(dtype, on=device):
+    def sdpa(dtype, segs, on=device):
         qq, kk, vv = (t.to(on, dtype).requires_grad_() for t in (q, k, v))
-        out = _gqa_sdpa(qq, kk, vv, attn_mask=mask.to(on))
+        out = _gqa_sdpa(qq, kk, vv, attn_mask=document_mask(segs).to(on))
         dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad.to(on, dtype))
         return dict(out=out, dq=dq, dk=dk, dv=dv)
 
-    ref = {n: t.detach() for n, t in sdpa(torch.float64, "cpu").items()}  # the oracle: float64 on the CPU
-    scores = q @ k.repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) * D**-0.5
-    ref["lse"] = scores.masked_fill(~mask, float("-inf")).logsumexp(-1)
-
-    def err(got):
+    def err(got, segs):  # against the oracle: float64 on the CPU
+        ref = {n: t.detach() for n, t in sdpa(torch.float64, segs, "cpu").items()}
+        scores = q @ k.repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) * D**-0.5
+        ref["lse"] = scores.masked_fill(~document_mask(segs), float("-inf")).logsumexp(-1)
         return {n: float((t.detach().double().cpu() - ref[n]).abs().max() / ref[n].abs().max()) for n, t in got.items()}
-    print(f"\n## Document attention op on CUDA, one process (B={B}, {Hq} query / {Hkv} KV heads, T={T}, D={D}, "
-          "about 12 documents a row), max abs error / max abs of the float64 CPU oracle\n")
+    print(f"\n## Document attention op on CUDA, one process (B={B}, {Hq} query / {Hkv} KV heads, T={T}, D={D}; "
+          "row 0 about 15 documents, row 1 one), max abs error / max abs of the float64 CPU oracle\n")
     print("| dtype | kernel | out | lse | dq | dk | dv |")
     print("|---|---|---|---|---|---|---|")
-    for dtype, kernel in ((torch.float32, "ours: memory-efficient + mask"), (torch.bfloat16, "ours: flash over document runs")):
-        for name, e in ((kernel, err(ours(dtype))), ("SDPA + boolean mask (floor)", err(sdpa(dtype)))):
+    whole = torch.zeros_like(segments)
+    for dtype, kernel, segs in ((torch.float32, "ours: memory-efficient + mask", segments),
+                                (torch.bfloat16, "ours: flash over document runs (row 1: cuDNN on Hopper)", segments),
+                                (torch.bfloat16, "ours, every row one document (cuDNN on Hopper)", whole)):
+        for name, e in ((kernel, err(ours(dtype, segs=segs), segs)), ("SDPA + boolean mask (floor)",
+                                                                      err(sdpa(dtype, segs), segs))):
             print(f"| {str(dtype)[6:]} | {name} | " + " | ".join(f"{e[n]:.1e}" if n in e else "-"
                                                                  for n in ("out", "lse", "dq", "dk", "dv")) + " |")
     # Isolation: another document's tokens replaced; every token outside it must not move.
-    doc = segments == segments[1, T // 2]
+    doc = segments == segments[0, T // 2]
     q2, k2, v2 = (torch.where(doc[:, None, :, None], torch.randn_like(t), t) for t in (q, k, v))
     for dtype in (torch.float32, torch.bfloat16):
         a, b = ours(dtype), ours(dtype, q2, k2, v2)
         keep = (~doc).to(device)[:, None, :]
         worst = max(float((a[n] - b[n]).abs()[keep.expand(a[n].shape[:3])].max()) for n in a)
         print(f"isolation, {str(dtype)[6:]}: largest change outside the replaced document {worst:.1e}")
+    ring_block_exactness(device)
+
+
+def ring_block_exactness(device) -> None:
+    """The ring's unmasked blocks (cp > 1), the kernel calls one GPU can check without NCCL: a
+    causal own block, and the tail query chunk (a strided view) against a whole block, in bf16 on
+    ``device`` (cuDNN on Hopper) against float64 on the CPU, beside torch's flash kernel (the floor)."""
+    from longshield_fx.ops import ring_attention as ra
+    B, H, c, D = 2, 8, 512, 64
+    g = torch.Generator().manual_seed(1)
+    q, k, v, grad = (torch.randn(B, H, 2 * c, D, generator=g, dtype=torch.float64) for _ in range(4))
+    print("\n## The ring's unmasked blocks on CUDA, bf16 (B=2, 8 heads, chunk 512, D=64), max abs error / max abs "
+          "of float64 on the CPU\n")
+    print(f"kernel: {'cuDNN' if ra._cudnn(q.to(device, torch.bfloat16)) else 'flash'}\n")
+    print("| block | kernel | out | lse | dq | dk | dv |")
+    print("|---|---|---|---|---|---|---|")
+    for name, causal, rows in (("own block, causal", True, slice(None)), ("tail chunk x whole block", False,
+                                                                          slice(c, None))):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q[:, :, rows], k, v))
+        scores = qq @ kk.transpose(-1, -2) * D**-0.5
+        if causal:
+            scores = scores.masked_fill(~torch.ones(2 * c, 2 * c, dtype=torch.bool).tril(), float("-inf"))
+        ref_out = scores.softmax(-1) @ vv
+        ref = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(ref_out, (qq, kk, vv), grad[:, :, rows])),
+                   out=ref_out.detach(), lse=scores.logsumexp(-1).detach())
+        dev = [t.to(device, torch.bfloat16) for t in (q, k, v, grad)]
+        out, lse = ra._block_fwd(dev[0][:, :, rows], dev[1], dev[2], causal, D**-0.5)
+        got = dict(zip(("dq", "dk", "dv"), ra._block_bwd(dev[3][:, :, rows], dev[0][:, :, rows], dev[1], dev[2], out,
+                                                         lse, causal, D**-0.5)), out=out, lse=lse)
+        qq, kk, vv = (t[:, :, rows] if i == 0 else t for i, t in enumerate(dev[:3]))
+        qq, kk, vv = (t.clone().requires_grad_() for t in (qq, kk, vv))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+        floor = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(o, (qq, kk, vv), dev[3][:, :, rows])), out=o)
+        for kernel, result in (("ours", got), ("torch's flash (floor)", floor)):
+            print(f"| {name} | {kernel} | " + " | ".join(
+                f"{float((result[n].detach().double().cpu() - ref[n]).abs().max() / ref[n].abs().max()):.1e}" if n in result
+                else "-" for n in ("out", "lse", "dq", "dk", "dv")) + " |")
 
 
 def _step_documents(T: int, g: torch.Generator) -> torch.Tensor:
@@ -463,16 +512,20 @@ def attention_speed(device, seq_lens) -> None:
     """Forward + backward of one row (bf16, llama3.2-1b's 32 query / 8 KV heads, D = 64) under two
     document layouts (about 9 documents; ``step``'s, median T/2): causal attention over the whole
     row (SDPA's choice), the document op (FA2 over the runs) and SDPA under the boolean document
-    mask; median of 5 after a warm-up. (cuDNN's variable-length kernel, ``aten._cudnn_attention_forward``
+    mask, SDPA's causal kernel called once per document, and flex attention (compiled) under a document
+    block mask; median of 5 after a warm-up (which compiles flex). (cuDNN's variable-length kernel, ``aten._cudnn_attention_forward``
     with cu_seqlens, ran here once on an H200 under torch 2.11: 50x slower than FA2 at 4k with wrong
     gradients, and an illegal memory access at 16k; see benchmarks/results/gpu_h200.md.)"""
     import longshield_fx.ops.ring_attention  # noqa: F401  (registers the op)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
     g = torch.Generator().manual_seed(0)
     print("\n## Packed-document attention on CUDA, bf16, one row of (32 query / 8 KV heads, T, 64), forward + "
           "backward, median of 5\n")
-    print("| T | layout: documents (Σ len² / T²) | causal (SDPA) ms / peak GiB | ours (FA2 over runs) ms / peak GiB | "
-          "SDPA + document mask ms / peak GiB | ours / causal |")
-    print("|---|---|---|---|---|---|")
+    print("| T | layout: documents (Σ len² / T²) | causal (SDPA) ms / peak GiB | ours ms / peak GiB | "
+          "SDPA + document mask ms / peak GiB | SDPA causal per document ms / peak GiB | flex + document block mask "
+          "ms / peak GiB | ours / causal |")
+    print("|---|---|---|---|---|---|---|---|")
     for seq_len in seq_lens:
         for layout, segments in (("9 docs", _document_ids(1, seq_len, 8, g)), ("step's", _step_documents(seq_len, g))):
             lengths = torch.unique_consecutive(segments[0], return_counts=True)[1].double()
@@ -482,11 +535,18 @@ def attention_speed(device, seq_lens) -> None:
                     for _ in range(2))
             grad = torch.randn_like(q)
             seg = segments.to(device)
+            bounds = [0, *lengths.long().cumsum(0).tolist()]
+            doc = seg[0]
+            block_mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None,
+                                           seq_len, seq_len, device=device)
             runs = {
                 "causal": lambda: _gqa_sdpa(q, k, v, is_causal=True),
                 "ours": lambda: torch.ops.longshield.ring_attention(q, k, v, 64**-0.5, "unused", 1, 0, seg)[0],
                 "mask": lambda: _gqa_sdpa(q, k, v, attn_mask=((seg[0, :, None] == seg[0, None, :]) & torch.ones(
                     seq_len, seq_len, dtype=torch.bool, device=device).tril())),
+                "per_doc": lambda: torch.cat([_gqa_sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+                                              for a, b in zip(bounds, bounds[1:])], 2),
+                "flex": lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True, scale=64**-0.5),
             }
             cells = {}
             for name, fn in runs.items():
@@ -505,10 +565,18 @@ def attention_speed(device, seq_lens) -> None:
                     cells[name] = (statistics.median(times[1:]) * 1e3, torch.cuda.max_memory_allocated() / 2**30)
                 except torch.OutOfMemoryError:
                     cells[name] = None
+                except Exception as e:  # flex's compilation: the message, not the probe, is lost
+                    print(f"{name} at T={seq_len}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+                    cells[name] = None
             fmt = {n: "OOM" if c is None else f"{c[0]:.2f} / {c[1]:.2f}" for n, c in cells.items()}
+            with torch.no_grad():
+                reference = runs["ours"]().float()
+                for name in ("per_doc", "flex"):
+                    if cells[name]:
+                        fmt[name] += f" (out vs ours {float((runs[name]().float() - reference).abs().max()):.0e})"
             ratio = f"{cells['ours'][0] / cells['causal'][0]:.2f}" if cells["ours"] and cells["causal"] else "-"
             print(f"| {seq_len} | {layout}: {len(lengths)} ({share:.3f}) | {fmt['causal']} | {fmt['ours']} | "
-                  f"{fmt['mask']} | {ratio} |", flush=True)
+                  f"{fmt['mask']} | {fmt['per_doc']} | {fmt['flex']} | {ratio} |", flush=True)
 
 
 # ---------------------------------------------------------------- kernels

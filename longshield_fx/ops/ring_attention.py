@@ -46,7 +46,8 @@ document in a block gets lse = -inf there (the CPU kernel returns 0 for it), so 
 ignores the block for that row. On one rank (cp = 1) a row attends run by run instead, with
 causal kernels and no mask (a masked kernel computes every score of the row): on the CPU in
 groups of runs of one padded length, on a GPU in fp16/bf16 as flash attention over
-variable-length runs.
+variable-length runs (on Hopper, a row that is one run and every unmasked block of the ring: cuDNN's
+causal kernel, faster there than flash).
 """
 from __future__ import annotations
 
@@ -216,7 +217,9 @@ def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
     keyless_rows = bias is not None and not causal  # a diagonal (causal) block: every query sees itself
     causal = causal and bias is None
     if q.device.type == "cuda":
-        if bias is None and q.dtype in (torch.float16, torch.bfloat16):
+        if bias is None and _cudnn(q):
+            out, lse = _cudnn_fwd(q, k, v, causal, scale)
+        elif bias is None and q.dtype in (torch.float16, torch.bfloat16):
             out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         else:
             out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
@@ -235,6 +238,8 @@ def _block_bwd(
     causal = causal and bias is None
     if q.device.type == "cuda":
         Lq, Lk = q.shape[2], k.shape[2]
+        if bias is None and _cudnn(q):
+            return _cudnn_bwd(go, q, k, v, out, lse, causal, scale)
         if bias is None and q.dtype in (torch.float16, torch.bfloat16):
             seed = torch.empty(2, dtype=torch.int64, device=q.device)  # unused without dropout
             offset = torch.empty((), dtype=torch.int64, device=q.device)
@@ -251,6 +256,36 @@ def _block_bwd(
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
         go, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
     )
+
+
+def _cudnn(q: Tensor) -> bool:
+    """Whether an unmasked half-precision block runs on cuDNN's attention: on Hopper and later,
+    where its kernel is the fast one (an H200 at T = 32k, forward + backward: 36 ms against FA2's
+    56, benchmarks/results/gpu_h200.md), unless the user switched cuDNN's SDPA off."""
+    D = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and D <= 128 and D % 8 == 0
+            and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+
+
+def _cudnn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out, lse.float().reshape(q.shape[:3])
+
+
+def _cudnn_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+               scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)  # the dropout seed and offset: no dropout
+    B, H, Lq, D = q.shape
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        go.contiguous(), q, k, v, out.contiguous(), lse.reshape(B, H, Lq, 1).contiguous(), unused, unused, None, None,
+        None, Lq, k.shape[2], 0.0, causal, scale=scale)
+
+
+def _rows_by_runs(segments: Tensor) -> tuple[Tensor, Tensor]:
+    """(the rows that are one document run, the other rows), as row indices."""
+    one = (segments == segments[:, :1]).all(1)
+    return one.nonzero().squeeze(1), (~one).nonzero().squeeze(1)
 
 
 def _whole_row_mask(segments: Tensor | None) -> Tensor | None:
@@ -364,9 +399,45 @@ def _cpu_runs_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
 
 
 def _runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -> tuple[Tensor, Tensor]:
-    """Causal attention within each document run (no mask, no work across documents)."""
+    """Causal attention within each document run (no mask, no work across documents). On a GPU
+    with cuDNN's kernel (``_cudnn``), rows that are one run (a document longer than a row) are
+    plain causal blocks for it, and only the other rows go to flash over variable-length runs."""
     if q.device.type == "cpu":
         return _cpu_runs_fwd(q, k, v, scale, segments)
+    whole, rest = _rows_by_runs(segments) if _cudnn(q) else (None, None)
+    if whole is None or not len(whole):
+        return _varlen_fwd(q, k, v, scale, segments)
+    if not len(rest):
+        return _cudnn_fwd(q, k, v, True, scale)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for rows, (o, l) in ((whole, _cudnn_fwd(*(x.index_select(0, whole) for x in (q, k, v)), True, scale)),
+                         (rest, _varlen_fwd(*(x.index_select(0, rest) for x in (q, k, v)), scale,
+                                            segments.index_select(0, rest)))):
+        out.index_copy_(0, rows, o)
+        lse.index_copy_(0, rows, l)
+    return out, lse
+
+
+def _runs_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+              segments: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if q.device.type == "cpu":
+        return _cpu_runs_bwd(go, q, k, v, out, lse, scale, segments)
+    whole, rest = _rows_by_runs(segments) if _cudnn(q) else (None, None)
+    if whole is None or not len(whole):
+        return _varlen_bwd(go, q, k, v, out, lse, scale, segments)
+    if not len(rest):
+        return _cudnn_bwd(go, q, k, v, out, lse, True, scale)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    for rows, part in ((whole, _cudnn_bwd(*(x.index_select(0, whole) for x in (go, q, k, v, out, lse)), True, scale)),
+                       (rest, _varlen_bwd(*(x.index_select(0, rest) for x in (go, q, k, v, out, lse)), scale,
+                                          segments.index_select(0, rest)))):
+        for full, g in zip(grads, part):
+            full.index_copy_(0, rows, g)
+    return tuple(grads)
+
+
+def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -> tuple[Tensor, Tensor]:
+    """Flash attention over every document run of the rows, as variable-length sequences."""
     B, H, L, D = q.shape
     cu = _document_runs(segments)
     longest = _longest(cu)
@@ -376,10 +447,8 @@ def _runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -
     return out.view(B, L, H, D).transpose(1, 2), lse.float().view(H, B, L).transpose(0, 1)
 
 
-def _runs_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-              segments: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    if q.device.type == "cpu":
-        return _cpu_runs_bwd(go, q, k, v, out, lse, scale, segments)
+def _varlen_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                segments: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     B, H, L, D = q.shape
     cu = _document_runs(segments)
     longest = _longest(cu)
