@@ -39,7 +39,7 @@ rows): each unit's gradient and norm against each unit run alone on the CPU in f
 sum (σ = 0) against the engine's own on the CPU. The document attention op (cp = 1) on CUDA in fp32
 and bf16 against the float64 CPU oracle, beside SDPA under the boolean mask (the dtype's floor): a
 row of many documents beside a row of one, then every row one document; its isolation; and the
-ring's unmasked blocks (cp > 1) in bf16, kernel by kernel. Speed (alone with ``--speed-only``): one
+ring's merge of two blocks on one process, in bf16, with flash's kernels and with cuDNN's. Speed (alone with ``--speed-only``): one
 bf16 row (32 query / 8 KV heads, T, 64), forward + backward, under about 9 documents and under
 ``step``'s layout (median T/2): causal SDPA, the op, SDPA under the document mask, SDPA's causal
 kernel once per document, flex attention under a document block mask; median of 5, and the peak
@@ -459,44 +459,47 @@ def attention_exactness(device) -> None:
         keep = (~doc).to(device)[:, None, :]
         worst = max(float((a[n] - b[n]).abs()[keep.expand(a[n].shape[:3])].max()) for n in a)
         print(f"isolation, {str(dtype)[6:]}: largest change outside the replaced document {worst:.1e}")
-    ring_block_exactness(device)
+    ring_merge_exactness(device)
 
 
-def ring_block_exactness(device) -> None:
-    """The ring's unmasked blocks (cp > 1), the kernel calls one GPU can check without NCCL: a
-    causal own block, and the tail query chunk (a strided view) against a whole block, in bf16 on
-    ``device`` (cuDNN on Hopper) against float64 on the CPU, beside torch's flash kernel (the floor)."""
+def ring_merge_exactness(device) -> None:
+    """The ring's merge on one process (one GPU cannot run the NCCL ring): the second half of a
+    sequence's queries against its two key halves as two blocks (full, then causal), merged by
+    log-sum-exp, and each block's backward given the merged out and lse, as the ring's backward
+    is; bf16, with flash's kernels (what the ring runs) and cuDNN's (on Hopper), against float64
+    on the CPU. cuDNN may take the ring's blocks once its errors here equal flash's."""
     from longshield_fx.ops import ring_attention as ra
     B, H, c, D = 2, 8, 512, 64
+    scale = D**-0.5
     g = torch.Generator().manual_seed(1)
-    q, k, v, grad = (torch.randn(B, H, 2 * c, D, generator=g, dtype=torch.float64) for _ in range(4))
-    print("\n## The ring's unmasked blocks on CUDA, bf16 (B=2, 8 heads, chunk 512, D=64), max abs error / max abs "
-          "of float64 on the CPU\n")
-    print(f"kernel: {'cuDNN' if ra._cudnn(q.to(device, torch.bfloat16)) else 'flash'}\n")
-    print("| block | kernel | out | lse | dq | dk | dv |")
-    print("|---|---|---|---|---|---|---|")
-    for name, causal, rows in (("own block, causal", True, slice(None)), ("tail chunk x whole block", False,
-                                                                          slice(c, None))):
-        qq, kk, vv = (t.clone().requires_grad_() for t in (q[:, :, rows], k, v))
-        scores = qq @ kk.transpose(-1, -2) * D**-0.5
-        if causal:
-            scores = scores.masked_fill(~torch.ones(2 * c, 2 * c, dtype=torch.bool).tril(), float("-inf"))
-        ref_out = scores.softmax(-1) @ vv
-        ref = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(ref_out, (qq, kk, vv), grad[:, :, rows])),
-                   out=ref_out.detach(), lse=scores.logsumexp(-1).detach())
-        dev = [t.to(device, torch.bfloat16) for t in (q, k, v, grad)]
-        out, lse = ra._block_fwd(dev[0][:, :, rows], dev[1], dev[2], causal, D**-0.5)
-        got = dict(zip(("dq", "dk", "dv"), ra._block_bwd(dev[3][:, :, rows], dev[0][:, :, rows], dev[1], dev[2], out,
-                                                         lse, causal, D**-0.5)), out=out, lse=lse)
-        qq, kk, vv = (t[:, :, rows] if i == 0 else t for i, t in enumerate(dev[:3]))
-        qq, kk, vv = (t.clone().requires_grad_() for t in (qq, kk, vv))
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
-        floor = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(o, (qq, kk, vv), dev[3][:, :, rows])), out=o)
-        for kernel, result in (("ours", got), ("torch's flash (floor)", floor)):
-            print(f"| {name} | {kernel} | " + " | ".join(
-                f"{float((result[n].detach().double().cpu() - ref[n]).abs().max() / ref[n].abs().max()):.1e}" if n in result
-                else "-" for n in ("out", "lse", "dq", "dk", "dv")) + " |")
+    q, k, v = (torch.randn(B, H, 2 * c, D, generator=g, dtype=torch.float64) for _ in range(3))
+    grad = torch.randn(B, H, c, D, generator=g, dtype=torch.float64)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q[:, :, c:], k, v))
+    scores = (qq @ kk.transpose(-1, -2) * scale).masked_fill(~torch.ones(c, 2 * c, dtype=torch.bool).tril(c),
+                                                               float("-inf"))
+    ref_out = scores.softmax(-1) @ vv
+    ref = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(ref_out, (qq, kk, vv), grad)), out=ref_out.detach(),
+               lse=scores.logsumexp(-1).detach())
+    print("\n## The ring's merge on one process, bf16 (B=2, 8 heads, two key blocks of 512, D=64): max abs error / "
+          "max abs of float64 on the CPU\n")
+    print("| kernels | out | lse | dq | dk | dv |")
+    print("|---|---|---|---|---|---|")
+    kernels = [("flash (the ring's)", ra._block_fwd, ra._block_bwd)]
+    if ra._cudnn(q.to(device, torch.bfloat16)):
+        kernels.append(("cuDNN", ra._cudnn_fwd, ra._cudnn_bwd))
+    blocks = ((slice(0, c), False), (slice(c, None), True))
+    for name, fwd, bwd in kernels:
+        q_, k_, v_, go = (t.to(device, torch.bfloat16) for t in (q, k, v, grad))
+        tail = q_[:, :, c:]
+        parts = [fwd(tail, k_[:, :, b], v_[:, :, b], causal, scale) for b, causal in blocks]
+        lse = torch.logaddexp(parts[0][1], parts[1][1])
+        out = sum(o.float() * torch.exp(l - lse)[..., None] for o, l in parts).to(torch.bfloat16)
+        grads = [bwd(go, tail, k_[:, :, b], v_[:, :, b], out, lse, causal, scale) for b, causal in blocks]
+        got = dict(out=out, lse=lse, dq=sum(part[0].float() for part in grads),
+                   dk=torch.cat([part[1] for part in grads], 2), dv=torch.cat([part[2] for part in grads], 2))
+        print(f"| {name} | " + " | ".join(
+            f"{float((got[n].double().cpu() - ref[n]).abs().max() / ref[n].abs().max()):.1e}"
+            for n in ("out", "lse", "dq", "dk", "dv")) + " |")
 
 
 def _step_documents(T: int, g: torch.Generator) -> torch.Tensor:

@@ -46,8 +46,7 @@ document in a block gets lse = -inf there (the CPU kernel returns 0 for it), so 
 ignores the block for that row. On one rank (cp = 1) a row attends run by run instead, with
 causal kernels and no mask (a masked kernel computes every score of the row): on the CPU in
 groups of runs of one padded length, on a GPU in fp16/bf16 as flash attention over
-variable-length runs (on Hopper, a row that is one run and every unmasked block of the ring: cuDNN's
-causal kernel, faster there than flash).
+variable-length runs (on Hopper a row that is one run goes to cuDNN's causal kernel, faster there).
 """
 from __future__ import annotations
 
@@ -217,9 +216,7 @@ def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
     keyless_rows = bias is not None and not causal  # a diagonal (causal) block: every query sees itself
     causal = causal and bias is None
     if q.device.type == "cuda":
-        if bias is None and _cudnn(q):
-            out, lse = _cudnn_fwd(q, k, v, causal, scale)
-        elif bias is None and q.dtype in (torch.float16, torch.bfloat16):
+        if bias is None and q.dtype in (torch.float16, torch.bfloat16):
             out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         else:
             out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
@@ -238,8 +235,6 @@ def _block_bwd(
     causal = causal and bias is None
     if q.device.type == "cuda":
         Lq, Lk = q.shape[2], k.shape[2]
-        if bias is None and _cudnn(q):
-            return _cudnn_bwd(go, q, k, v, out, lse, causal, scale)
         if bias is None and q.dtype in (torch.float16, torch.bfloat16):
             seed = torch.empty(2, dtype=torch.int64, device=q.device)  # unused without dropout
             offset = torch.empty((), dtype=torch.int64, device=q.device)
@@ -259,9 +254,11 @@ def _block_bwd(
 
 
 def _cudnn(q: Tensor) -> bool:
-    """Whether an unmasked half-precision block runs on cuDNN's attention: on Hopper and later,
-    where its kernel is the fast one (an H200 at T = 32k, forward + backward: 36 ms against FA2's
-    56, benchmarks/results/gpu_h200.md), unless the user switched cuDNN's SDPA off."""
+    """Whether a row that is one document run (cp = 1) goes to cuDNN's causal attention: on Hopper
+    and later, where its kernel is the fast one (an H200 at T = 32k, forward + backward: 36 ms
+    against FA2's 56, benchmarks/results/gpu_h200.md), unless the user switched cuDNN's SDPA off.
+    The ring's blocks (cp > 1) stay on flash: their backward takes the merged out and lse, which no
+    GPU has checked with cuDNN's kernel yet (``benchmarks/gpu_check.py``'s ``ring_merge_exactness``)."""
     D = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and D <= 128 and D % 8 == 0
             and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
