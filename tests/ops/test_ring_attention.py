@@ -132,6 +132,11 @@ def test_cp1_rows_of_one_document_are_attended_as_they_are(rows):
     if rows == "one document and many":
         segments[1] = packed_segments(B, T, seed=3)[1]
     _assert_one_rank_is_document_attention(q, k, v, grad, segments)
+    # On Hopper the first go to cuDNN's causal kernel and the rest to flash over runs (gpu_check.py packed).
+    whole, rest = ra._rows_by_runs(segments)
+    many = [] if rows == "one document each" else [1]
+    assert whole.tolist() == [r for r in range(B) if r not in many] and rest.tolist() == many
+    assert not ra._cudnn(q.bfloat16())  # never on the CPU
 
 
 def test_document_runs_cut_rows_where_the_attention_mask_does():
