@@ -4,8 +4,9 @@
 benchmarks/results/gpu_h100.md. ``zoo`` and ``step`` ran on an H200 on 2026-11-27 (``step`` again
 after the int32 noise kernel and the LM head's bf16 GEMMs): results in benchmarks/results/gpu_h200.md.
 ``kernels``, ``step`` and ``packed --speed-only`` ran on an H200 on 2026-11-28 (sixth session there);
-the document op's and the ring blocks' exactness (``attention_exactness``), ``packed --speed-only`` and
-``step`` again the same day, before and after cuDNN took the op's one-document rows (seventh session).
+the document op's exactness (``attention_exactness``, then with a check of the ring's blocks that
+``ring_merge_exactness`` has replaced), ``packed --speed-only`` and ``step`` again the same day, before
+and after cuDNN took the op's one-document rows (seventh session).
 
     python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
     python benchmarks/gpu_check.py dropout
@@ -39,8 +40,8 @@ rows): each unit's gradient and norm against each unit run alone on the CPU in f
 sum (σ = 0) against the engine's own on the CPU. The document attention op (cp = 1) on CUDA in fp32
 and bf16 against the float64 CPU oracle, beside SDPA under the boolean mask (the dtype's floor): a
 row of many documents beside a row of one, then every row one document; its isolation; and the
-ring's merge of two blocks on one process, in bf16, with flash's kernels and with cuDNN's. Speed (alone with ``--speed-only``): one
-bf16 row (32 query / 8 KV heads, T, 64), forward + backward, under about 9 documents and under
+ring's merge of two blocks on one process, in bf16, with flash's kernels and with cuDNN's. Speed
+(alone with ``--speed-only``): one bf16 row (32 query / 8 KV heads, T, 64), forward + backward, under about 9 documents and under
 ``step``'s layout (median T/2): causal SDPA, the op, SDPA under the document mask, SDPA's causal
 kernel once per document, flex attention under a document block mask; median of 5, and the peak
 memory of each.
@@ -434,21 +435,26 @@ def attention_exactness(device) -> None:
         dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad.to(on, dtype))
         return dict(out=out, dq=dq, dk=dk, dv=dv)
 
-    def err(got, segs):  # against the oracle: float64 on the CPU
+    def oracle(segs):  # float64 on the CPU
         ref = {n: t.detach() for n, t in sdpa(torch.float64, segs, "cpu").items()}
         scores = q @ k.repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) * D**-0.5
         ref["lse"] = scores.masked_fill(~document_mask(segs), float("-inf")).logsumexp(-1)
+        return ref
+
+    def err(got, ref):
         return {n: float((t.detach().double().cpu() - ref[n]).abs().max() / ref[n].abs().max()) for n, t in got.items()}
     print(f"\n## Document attention op on CUDA, one process (B={B}, {Hq} query / {Hkv} KV heads, T={T}, D={D}; "
           "row 0 about 15 documents, row 1 one), max abs error / max abs of the float64 CPU oracle\n")
     print("| dtype | kernel | out | lse | dq | dk | dv |")
     print("|---|---|---|---|---|---|---|")
     whole = torch.zeros_like(segments)
+    refs = {id(segs): oracle(segs) for segs in (segments, whole)}
     for dtype, kernel, segs in ((torch.float32, "ours: memory-efficient + mask", segments),
                                 (torch.bfloat16, "ours: flash over document runs (row 1: cuDNN on Hopper)", segments),
                                 (torch.bfloat16, "ours, every row one document (cuDNN on Hopper)", whole)):
-        for name, e in ((kernel, err(ours(dtype, segs=segs), segs)), ("SDPA + boolean mask (floor)",
-                                                                      err(sdpa(dtype, segs), segs))):
+        ref = refs[id(segs)]
+        for name, e in ((kernel, err(ours(dtype, segs=segs), ref)), ("SDPA + boolean mask (floor)",
+                                                                     err(sdpa(dtype, segs), ref))):
             print(f"| {str(dtype)[6:]} | {name} | " + " | ".join(f"{e[n]:.1e}" if n in e else "-"
                                                                  for n in ("out", "lse", "dq", "dk", "dv")) + " |")
     # Isolation: another document's tokens replaced; every token outside it must not move.
@@ -514,10 +520,11 @@ def _step_documents(T: int, g: torch.Generator) -> torch.Tensor:
 def attention_speed(device, seq_lens) -> None:
     """Forward + backward of one row (bf16, llama3.2-1b's 32 query / 8 KV heads, D = 64) under two
     document layouts (about 9 documents; ``step``'s, median T/2): causal attention over the whole
-    row (SDPA's choice), the document op (FA2 over the runs) and SDPA under the boolean document
-    mask, SDPA's causal kernel called once per document, and flex attention (compiled) under a document
-    block mask; median of 5 after a warm-up (which compiles flex). (cuDNN's variable-length kernel, ``aten._cudnn_attention_forward``
-    with cu_seqlens, ran here once on an H200 under torch 2.11: 50x slower than FA2 at 4k with wrong
+    row (SDPA's choice), the document op (FA2 over the runs; on Hopper cuDNN for a row of one
+    document), SDPA under the boolean document mask, SDPA's causal kernel called once per document,
+    and flex attention (compiled) under a document block mask; median of 5 after a warm-up (which
+    compiles flex). (cuDNN's variable-length kernel, ``aten._cudnn_attention_forward`` with
+    cu_seqlens, ran here once on an H200 under torch 2.11: 50x slower than FA2 at 4k with wrong
     gradients, and an illegal memory access at 16k; see benchmarks/results/gpu_h200.md.)"""
     import longshield_fx.ops.ring_attention  # noqa: F401  (registers the op)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
