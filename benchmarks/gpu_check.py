@@ -41,10 +41,10 @@ sum (σ = 0) against the engine's own on the CPU. The document attention op (cp 
 and bf16 against the float64 CPU oracle, beside SDPA under the boolean mask (the dtype's floor): a
 row of many documents beside a row of one, then every row one document; its isolation; and the
 ring's merge of two blocks on one process, in bf16, with flash's kernels and with cuDNN's. Speed
-(alone with ``--speed-only``): one bf16 row (32 query / 8 KV heads, T, 64), forward + backward, under about 9 documents and under
-``step``'s layout (median T/2): causal SDPA, the op, SDPA under the document mask, SDPA's causal
-kernel once per document, flex attention under a document block mask; median of 5, and the peak
-memory of each.
+(alone with ``--speed-only``): one bf16 row (32 query / 8 KV heads, T, 64), forward + backward,
+under about 9 documents and under ``step``'s layout (median T/2): causal SDPA, the op, SDPA under
+the document mask, SDPA's causal kernel once per document, flex attention under a document block
+mask; median of 5, and the peak memory of each.
 
 ``kernels``: the secure noise's compiled ChaCha20 words against OpenSSL's (bitwise) and its
 Gaussian chunk against the CPU path; one chunk's time and a whole draw's (llama3.2-1b's parameter
