@@ -19,12 +19,14 @@ from __future__ import annotations
 import gc
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +40,18 @@ from longshield_fx.passes import Lowered
 from oracles import log_excerpt, rank_results, tiny_llama, token_batch, vmap_per_sample_grads
 
 
+_START: list = []  # (wall time, CPU seconds) when the session began
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(user + sys of this process, of the processes it started and waited for: the launches'
+    ranks, the planner's workers, the CLI runs)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
 def pytest_configure(config):
+    _START[:] = [time.time(), *_cpu_seconds()]
     # One intra-op thread: every graph here is tiny, and with 2 threads on this 2-core
     # machine, shared with the background torchrun ranks, OpenMP spin-waits made a tiny
     # Llama step 80x slower (0.96 s instead of 0.012 s, measured under load 3).
@@ -306,6 +319,19 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     _LAUNCHES.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What the run cost in CPU: on a shared machine the wall time moves with the neighbours,
+    so this says how much of it was this suite's work and how busy it kept the cores."""
+    if not _START:
+        return
+    wall = time.time() - _START[0]
+    own, children = (now - then for now, then in zip(_cpu_seconds(), _START[1:]))
+    total = own + children
+    terminalreporter.write_line(
+        f"CPU: {total:.0f} s user + sys ({own:.0f} s in pytest's process, {children:.0f} s in the processes it "
+        f"started) over {wall:.0f} s of wall time: {total / max(wall, 1e-9):.2f} of {os.cpu_count()} cores busy")
 
 
 @pytest.fixture

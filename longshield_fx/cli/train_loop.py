@@ -254,13 +254,17 @@ def _write_outputs(job: Job, summary_: dict, eps: float) -> str:
 
 def finish(job: Job) -> int:
     args = job.args
-    eps = job.engine.epsilon(job.delta)
     wall, loop = time.time() - job.t_start, time.time() - job.t_loop
     startup = job.t_loop - job.t_start
+    if not job.rank0:  # rank 0 accounts, writes and reports (dp_accounting and scipy load in no other rank)
+        if job.fsdp:  # every rank takes part in gathering the whole model
+            job.engine.sharding.unshard_model(job.model)
+        return 0
+    eps = job.engine.epsilon(job.delta)
     summary_ = summary(job, eps, loop, wall, startup)
     if job.fsdp:  # every rank takes part in gathering the whole model, which rank 0 writes
         job.engine.sharding.unshard_model(job.model)
-    written = _write_outputs(job, summary_, eps) if job.rank0 else ""
+    written = _write_outputs(job, summary_, eps)
     _, k, first, last = _loss_summary(job.rows)
     private = summary_[NOT_COVERED]
     speed = f"{loop / max(1, args.steps - job.start_step):.2f} s/step (timings trace the batch sizes: NOT covered by DP)"
@@ -288,7 +292,6 @@ def finish(job: Job) -> int:
         f"(σ = {job.sigma:.4g}, q = {job.q:.4g}, {args.steps} steps)"
         + (f"; VOID: --insecure-seed {args.insecure_seed} made the noise and the sampling public"
            if args.insecure_seed is not None else ""))
-    if job.rank0:
-        say(f"wrote {written}" + (f", checkpoints in {checkpoint_dir(job.run_dir)} (SECRET: the sampling key)"
-                                  if args.save_every else ""))
+    say(f"wrote {written}" + (f", checkpoints in {checkpoint_dir(job.run_dir)} (SECRET: the sampling key)"
+                              if args.save_every else ""))
     return 0
