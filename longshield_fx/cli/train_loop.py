@@ -256,14 +256,12 @@ def finish(job: Job) -> int:
     args = job.args
     wall, loop = time.time() - job.t_start, time.time() - job.t_loop
     startup = job.t_loop - job.t_start
-    if not job.rank0:  # rank 0 accounts, writes and reports (dp_accounting and scipy load in no other rank)
-        if job.fsdp:  # every rank takes part in gathering the whole model
-            job.engine.sharding.unshard_model(job.model)
+    if job.fsdp:  # every rank takes part in gathering the whole model, which rank 0 writes
+        job.engine.sharding.unshard_model(job.model)
+    if not job.rank0:  # rank 0 accounts, writes and reports: no other rank loads dp_accounting and scipy
         return 0
     eps = job.engine.epsilon(job.delta)
     summary_ = summary(job, eps, loop, wall, startup)
-    if job.fsdp:  # every rank takes part in gathering the whole model, which rank 0 writes
-        job.engine.sharding.unshard_model(job.model)
     written = _write_outputs(job, summary_, eps)
     _, k, first, last = _loss_summary(job.rows)
     private = summary_[NOT_COVERED]
