@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import unittest.mock
 import warnings
 
 import torch
@@ -223,19 +224,13 @@ class DynamoGuards:
         return parts[0] if parts else "a dynamo guard failed"
 
 
-@contextlib.contextmanager
 def _guard_latency_unmeasured():
     """Building guards, dynamo (torch 2.13) times one run of them after flushing the CPU caches,
     for a compile metric nobody reads here: 28 ms of each capture's CPU, most of building the
     guards of a small model. The guards are still built and checked on the frame they came from."""
     import torch._dynamo.guards as dynamo_guards
 
-    measure = dynamo_guards.profile_guard_manager
-    dynamo_guards.profile_guard_manager = lambda *args: 0.0
-    try:
-        yield
-    finally:
-        dynamo_guards.profile_guard_manager = measure
+    return unittest.mock.patch.object(dynamo_guards, "profile_guard_manager", lambda *args: 0.0)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from longshield_fx.passes import Lowered
 from oracles import log_excerpt, rank_results, tiny_llama, token_batch, vmap_per_sample_grads
 
 
-_START: list = []  # (wall time, CPU seconds) when the session began
+_START: list = []  # [wall time, CPU seconds of this process, of its children] when the session began
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -331,7 +331,7 @@ def pytest_terminal_summary(terminalreporter):
     total = own + children
     terminalreporter.write_line(
         f"CPU: {total:.0f} s user + sys ({own:.0f} s in pytest's process, {children:.0f} s in the processes it "
-        f"started) over {wall:.0f} s of wall time: {total / max(wall, 1e-9):.2f} of {os.cpu_count()} cores busy")
+        f"started) over {wall:.0f} s of wall time: {total / wall:.2f} of {os.cpu_count()} cores busy")
 
 
 @pytest.fixture
