@@ -36,11 +36,12 @@ import torch
 import longshield_fx as lf
 from longshield_fx import _torch
 from longshield_fx.passes import Lowered
+from longshield_fx.runtime import traces
 
 from oracles import log_excerpt, rank_results, tiny_llama, token_batch, vmap_per_sample_grads
 
 
-_START: list = []  # [wall time, CPU seconds of this process, of its children] when the session began
+_START: list = []  # [wall time, CPU seconds of this process, of its children, reference seconds] at the start
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -50,8 +51,17 @@ def _cpu_seconds() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
+def _reference_seconds() -> float:
+    """CPU seconds of a fixed pure-Python loop: how fast this machine runs Python today. The same
+    commit's suite took 650 s of wall time on one CI machine and 1420 s on another; printed beside
+    the suite's time, this says which kind of machine a run had."""
+    start = time.process_time()
+    sum(i * i for i in range(3_000_000))
+    return time.process_time() - start
+
+
 def pytest_configure(config):
-    _START[:] = [time.time(), *_cpu_seconds()]
+    _START[:] = [time.time(), *_cpu_seconds(), _reference_seconds()]
     # One intra-op thread: every graph here is tiny, and with 2 threads on this 2-core
     # machine, shared with the background torchrun ranks, OpenMP spin-waits made a tiny
     # Llama step 80x slower (0.96 s instead of 0.012 s, measured under load 3).
@@ -59,6 +69,10 @@ def pytest_configure(config):
     # Fewer cyclic-GC passes, as the capture itself runs (``runtime.engine._fewer_gc_passes``), for the
     # whole session: the tests allocate like the capture does (6-8% less CPU for the zoo).
     gc.set_threshold(50_000, 10, 10)
+    # Every trace the session makes stays (a user's process keeps 8): modules rebuild the tiny models
+    # of earlier ones, and with 8 kept, 38 of the 450 captures of pytest's process retraced a kept-then-
+    # dropped structure (56 of its 400 capture CPU-seconds). Tests that count traces start from none.
+    traces._LIMIT = 1024
 
 
 # --- fake world ------------------------------------------------------------------------------
@@ -327,11 +341,13 @@ def pytest_terminal_summary(terminalreporter):
     if not _START:
         return
     wall = time.time() - _START[0]
-    own, children = (now - then for now, then in zip(_cpu_seconds(), _START[1:]))
+    own, children = (now - then for now, then in zip(_cpu_seconds(), _START[1:3]))
     total = own + children
     terminalreporter.write_line(
         f"CPU: {total:.0f} s user + sys ({own:.0f} s in pytest's process, {children:.0f} s in the processes it "
-        f"started) over {wall:.0f} s of wall time: {total / wall:.2f} of {os.cpu_count()} cores busy")
+        f"started) over {wall:.0f} s of wall time: {total / wall:.2f} of {os.cpu_count()} cores busy; "
+        f"this machine's speed: a fixed Python loop took {_START[3]:.2f} s at the start; pytest's process peaked "
+        f"at {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
 
 
 @pytest.fixture
