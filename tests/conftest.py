@@ -52,9 +52,10 @@ def _cpu_seconds() -> tuple[float, float]:
 
 
 def _reference_seconds() -> float:
-    """CPU seconds of a fixed pure-Python loop: how fast this machine runs Python today. The same
-    commit's suite took 650 s of wall time on one CI machine and 1420 s on another; printed beside
-    the suite's time, this says which kind of machine a run had."""
+    """CPU seconds of a fixed pure-Python loop: how fast this machine runs Python right now. This
+    suite took 650 s of wall time on one CI machine and 1420 s on another in the same week, and the
+    speed moves within a run too; printed at the start and at the end beside the suite's time, it
+    says which kind of machine a run had."""
     start = time.process_time()
     sum(i * i for i in range(3_000_000))
     return time.process_time() - start
@@ -70,8 +71,8 @@ def pytest_configure(config):
     # whole session: the tests allocate like the capture does (6-8% less CPU for the zoo).
     gc.set_threshold(50_000, 10, 10)
     # Every trace the session makes stays (a user's process keeps 8): modules rebuild the tiny models
-    # of earlier ones, and with 8 kept, 38 of the 450 captures of pytest's process retraced a kept-then-
-    # dropped structure (56 of its 400 capture CPU-seconds). Tests that count traces start from none.
+    # of earlier ones, so with 8 kept pytest's process captured 450 times, with all kept 433 (peak
+    # memory 1.8 GiB). Tests that count traces start from none.
     traces._LIMIT = 1024
 
 
@@ -346,7 +347,8 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"CPU: {total:.0f} s user + sys ({own:.0f} s in pytest's process, {children:.0f} s in the processes it "
         f"started) over {wall:.0f} s of wall time: {total / wall:.2f} of {os.cpu_count()} cores busy; "
-        f"this machine's speed: a fixed Python loop took {_START[3]:.2f} s at the start; pytest's process peaked "
+        f"this machine's speed: a fixed Python loop took {_START[3]:.2f} s at the start, "
+        f"{_reference_seconds():.2f} s at the end; pytest's process peaked "
         f"at {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
 
 
