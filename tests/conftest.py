@@ -41,7 +41,7 @@ from longshield_fx.runtime import traces
 from oracles import log_excerpt, rank_results, tiny_llama, token_batch, vmap_per_sample_grads
 
 
-_START: list = []  # [wall time, CPU seconds of this process, of its children, reference seconds] at the start
+_START: dict = {}  # at the session's start: wall time, CPU seconds (own, children), the reference loop's seconds
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -62,7 +62,7 @@ def _reference_seconds() -> float:
 
 
 def pytest_configure(config):
-    _START[:] = [time.time(), *_cpu_seconds(), _reference_seconds()]
+    _START.update(wall=time.time(), cpu=_cpu_seconds(), reference=_reference_seconds())
     # One intra-op thread: every graph here is tiny, and with 2 threads on this 2-core
     # machine, shared with the background torchrun ranks, OpenMP spin-waits made a tiny
     # Llama step 80x slower (0.96 s instead of 0.012 s, measured under load 3).
@@ -341,13 +341,13 @@ def pytest_terminal_summary(terminalreporter):
     so this says how much of it was this suite's work and how busy it kept the cores."""
     if not _START:
         return
-    wall = time.time() - _START[0]
-    own, children = (now - then for now, then in zip(_cpu_seconds(), _START[1:3]))
+    wall = time.time() - _START["wall"]
+    own, children = (now - then for now, then in zip(_cpu_seconds(), _START["cpu"]))
     total = own + children
     terminalreporter.write_line(
         f"CPU: {total:.0f} s user + sys ({own:.0f} s in pytest's process, {children:.0f} s in the processes it "
         f"started) over {wall:.0f} s of wall time: {total / wall:.2f} of {os.cpu_count()} cores busy; "
-        f"this machine's speed: a fixed Python loop took {_START[3]:.2f} s at the start, "
+        f"this machine's speed: a fixed Python loop took {_START['reference']:.2f} s at the start, "
         f"{_reference_seconds():.2f} s at the end; pytest's process peaked "
         f"at {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
 
