@@ -10,26 +10,36 @@ and clipped as one example however many rows it has. Padding holds ``pad_id`` an
 Accepted inputs:
 
 - a directory: every regular file under it, recursively, in order of relative path; hidden
-  files and directories (names starting with '.') are left out, and so are symlinked
-  directories and non-regular files (FIFOs, sockets). Each file is one document and one unit,
-  named by its path relative to the directory. One file reached twice (a symlink to a file,
-  or a hard link) is read once, under its first path, and counted (``same_file``): a second
-  copy would be a second unit holding the same person's text.
+  files and directories (names starting with '.') are left out, and so are non-regular files
+  (FIFOs, sockets). A symlinked directory is followed (its files are named by the path
+  through the link), once: a symlink to a directory that contains it (a loop) or to a
+  directory already read under an earlier path is not followed, and is counted and named
+  (``same_dir``). Each file is one document and one unit, named by its path relative to the
+  directory. One file reached twice (a symlink to a file, or a hard link) is read once, under
+  its first path, and counted (``same_file``): a second copy would be a second unit holding
+  the same person's text. "First" is always the first in order of relative path.
 - a ``.jsonl`` file: one JSON object per line with a string ``text`` and an optional unit key
   (``unit_key``, default ``"id"``: a string or an integer; an integer and its decimal string
   are the same unit) naming the unit. Documents sharing an id form ONE unit whose rows are each
-  document's rows, in file order. Ids are compared after Unicode NFC normalisation, with
-  surrounding whitespace stripped and case folded: "Alice", " alice" and "ALICE" are one
-  unit. Case is folded because merging two people into one unit only makes their guarantee
-  conservative (each is protected as part of the larger unit), while splitting one person into
-  k units silently costs them about k·ε. Either every line has the unit key or none does:
-  a line without it in a file where other lines have it is an error naming the line. When no
-  line has it, each line is its own unit, named ``line <k>`` (k counts from 1), unless a line
-  has an id-like key (``ID``, ``user_id``, ...: another casing of the unit key, or a name
-  ending in ``id``), which is refused: pass that key as ``unit_key``, or ``unit_key=None``
-  to make each line its own unit on purpose. Blank lines are skipped; any other line that is
-  not a JSON object with a string ``text`` (or whose id is neither a string nor an integer,
-  null included, or is empty, or that repeats a key) is an error naming the line.
+  document's rows, in file order. Ids are compared as ``run_core.canonical_unit_id`` makes
+  them (the unit's name too): Unicode NFKC (NFC vs NFD, fullwidth and compatibility forms
+  fold together), case folded, invisible characters (zero-width spaces, soft hyphens, ...)
+  removed, and whitespace runs (non-breaking spaces included) collapsed to one space and
+  stripped: "Alice", " ALICE\t", "ａｌｉｃｅ" and "ali\u200bce" are one unit, and so are
+  "alice\u00a0smith" and "alice  smith". Leading zeros are kept: "5" and "05" are two units
+  (an id scheme may use both), while 5 and "5" are one. Ids are folded because merging two
+  people into one unit only makes their guarantee conservative (each is protected as part of
+  the larger unit), while splitting one person into k units silently costs them about k·ε.
+  Either every line has the unit key or none does: a line without it in a file where other
+  lines have it is an error naming the line. When no line has it, each line is its own unit,
+  named ``line <k>`` (k counts from 1), unless a line has an id-like key (``ID``,
+  ``user_id``, ...: another casing of the unit key, or a name ending in ``id``) or a
+  person-like key (``author``, ``user``, ``email``, ``patient``, ``person``, ``name``,
+  ``subject``, ``user_name``, ``author_email``, ...: a key that names a person), which is
+  refused: pass that key as ``unit_key``, or ``unit_key=None`` to make each line its own unit
+  on purpose. Blank lines are skipped; any other line that is not a JSON object with a string
+  ``text`` (or whose id is neither a string nor an integer, null included, or is empty once
+  canonical, or that repeats a key) is an error naming the line.
 - a ``.txt`` file: one document per non-blank line (without its line ending), each its own
   unit named ``line <k>``.
 
@@ -50,17 +60,19 @@ a document of n tokens cut into k rows has n-k predicted tokens, not n-1.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 import os
 import re
-import unicodedata
+import shlex
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from .errors import DataError
+from .run_core import canonical_unit_id
 
 ACCEPTED = "a directory of UTF-8 text files, a .jsonl file (one {\"text\": ..., \"id\": ...} object per line) " \
            "or a .txt file (one document per line)"
@@ -74,8 +86,9 @@ class Documents:
     padding slot (labels, not ids, say where the tokens are: ``pad_id`` may be a real token).
     The per-unit lists count, for unit i, its documents, its tokens before truncation and the
     tokens dropped by ``max_rows``. ``skipped`` counts the documents left out of the whole
-    load (``non_utf8``, ``empty``, ``same_file``) and ``skipped_names`` names the first
-    ``_NAMED`` of each (a file's relative path, or ``line k``); an eval/train split keeps both.
+    load (``non_utf8``, ``empty``, ``same_file``) and the symlinked directories not followed
+    (``same_dir``: a loop, or a directory already read), and ``skipped_names`` names the first
+    ``_NAMED`` of each (a relative path, or ``line k``); an eval/train split keeps both.
     """
 
     ids: torch.Tensor
@@ -174,13 +187,16 @@ class Documents:
     def describe(self) -> str:
         what = "files" if self.kind == "directory" else "lines"
         s = self.skipped
+        dirs = s.get("same_dir", 0)
         return (f"{self.num_units} units ({self.num_documents} documents), {self.num_tokens} tokens in "
                 f"{self.num_rows} rows of {self.seq_len}, {self.rows_per_unit} rows per unit; {self.truncated_units} units "
-                f"truncated ({self.tokens_dropped} tokens dropped); {sum(s.values())} {what} skipped "
-                f"(non-UTF-8: {s['non_utf8']}, empty: {s['empty']}, one file reached twice: {s['same_file']})"
+                f"truncated ({self.tokens_dropped} tokens dropped); {s['non_utf8'] + s['empty'] + s['same_file']} "
+                f"{what} skipped (non-UTF-8: {s['non_utf8']}, empty: {s['empty']}, one file reached twice: {s['same_file']})"
+                + (f", {dirs} symlinked folder{'s' * (dirs != 1)} not followed" if dirs else "")
                 + "".join(f"; {why}: {_listed(self.skipped_names[key], s[key])}"
                           for key, why in (("non_utf8", "not UTF-8"), ("empty", "empty or under 2 tokens"),
-                                           ("same_file", "read once already"))
+                                           ("same_file", "read once already"),
+                                           ("same_dir", "a symlink loop or a folder read once already"))
                           if self.skipped_names.get(key)))
 
 
@@ -220,20 +236,51 @@ def _decode_or_fail(path: Path, data: bytes) -> str:
                        "UTF-8 text") from None
 
 
-def _walk(root: Path) -> list[tuple[str, Path]]:
-    """(relative posix path, path) of every non-hidden regular file under root, sorted."""
-    def fail(e: OSError):
-        raise DataError(f"cannot list {e.filename}: {e.strerror or e}")
+def _walk(root: Path, skipped: dict[str, int], names: dict[str, list[str]]) -> list[tuple[str, Path]]:
+    """(relative posix path, path) of every non-hidden regular file under root, sorted.
 
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root, onerror=fail):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            p = Path(dirpath, name)
-            if not name.startswith(".") and p.is_file():
-                found.append((p.relative_to(root).as_posix(), p))
+    Directories are read in order of relative path (a heap), so the first path to reach a
+    directory is the first in that order; a symlinked directory is followed unless it leads
+    to a directory already read or to one that contains it (a loop), which is counted and named
+    (``same_dir``)."""
+    def fail(path, e: OSError):
+        raise DataError(f"cannot list {e.filename or path}: {e.strerror or e}") from None
+
+    found, seen, todo = [], set(), [("", root)]
+    while todo:
+        rel, d = heapq.heappop(todo)
+        try:
+            st = d.stat()  # follows a symlink: the directory itself
+        except OSError as e:
+            fail(d, e)
+        if (st.st_dev, st.st_ino) in seen or (rel and d.is_symlink() and _contains(d.resolve(), d.parent.resolve())):
+            _skip(skipped, names, "same_dir", rel)
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        try:
+            with os.scandir(d) as it:
+                entries = list(it)
+        except OSError as e:
+            fail(d, e)
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            r, p = f"{rel}/{entry.name}" if rel else entry.name, Path(d, entry.name)
+            try:
+                is_dir = entry.is_dir()  # follows symlinks; False for a broken one
+            except OSError:
+                is_dir = False
+            if is_dir:
+                heapq.heappush(todo, (r, p))
+            elif p.is_file():
+                found.append((r, p))
     found.sort(key=lambda f: f[0])
     return found
+
+
+def _contains(outer: Path, inner: Path) -> bool:
+    """Whether resolved ``inner`` is ``outer`` or lies under it."""
+    return inner == outer or outer in inner.parents
 
 
 def _lines(text: str):
@@ -264,11 +311,29 @@ def _id_like(key: str, unit_key: str) -> bool:
             or bool(re.search(r"[a-z](Id|ID)$", key)))
 
 
-def normalized_unit_id(uid: str | int) -> str:
-    """The unit an id names: its decimal string for an integer; NFC, stripped, case-folded text."""
-    if isinstance(uid, int):
-        return str(uid)
-    return unicodedata.normalize("NFC", unicodedata.normalize("NFC", uid).strip().casefold())
+# Words that, as a key or a word of one, name a person: a line carrying one probably belongs to
+# that person, so training each line as its own unit would split them.
+_PERSON_WORDS = frozenset({
+    "author", "authors", "user", "users", "username", "email", "emails", "patient", "patients", "person",
+    "persons", "people", "subject", "owner", "customer", "client", "member", "account", "sender",
+    "recipient", "speaker", "writer", "creator", "contributor", "employee", "student", "participant",
+    "respondent", "handle", "login", "fullname", "firstname", "lastname", "surname", "nickname",
+    "displayname"})
+# "name" names a person alone or with one of these ("first_name", "displayName"), not in "file_name".
+_NAME_QUALIFIERS = frozenset({"first", "last", "full", "given", "family", "display", "nick", "real", "middle",
+                              "maiden", "legal", "sur"})
+
+
+def _person_like(key: str) -> bool:
+    """A key that probably names a person: ``author``, ``user_name``, ``authorEmail``, ``e-mail``, ``name``..."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", key).casefold()  # camelCase -> words
+    words = re.split(r"[^a-z0-9]+", re.sub(r"\be[-_ ]mail", "email", spaced))
+    return (bool(_PERSON_WORDS.intersection(words))
+            or ("name" in words and all(w in _NAME_QUALIFIERS for w in words if w and w != "name")))
+
+
+def _unit_key_flag(key: str) -> str:
+    return f"--unit-key {shlex.quote(key)}"
 
 
 def _jsonl_documents(path: Path, unit_key: str | None):
@@ -298,7 +363,7 @@ def _jsonl_documents(path: Path, unit_key: str | None):
             if isinstance(uid, bool) or not isinstance(uid, (str, int)):
                 raise DataError(f"{where}: {json.dumps(unit_key)} must be a string or an integer naming the privacy "
                                f"unit, got {json.dumps(uid)}")
-            if not normalized_unit_id(uid):
+            if not canonical_unit_id(uid):
                 raise DataError(f"{where}: {json.dumps(unit_key)} is empty; it must name the privacy unit")
         lines.append((k, where, obj, body))
     keyed = [where for _, where, obj, _ in lines if unit_key is not None and unit_key in obj]
@@ -309,14 +374,16 @@ def _jsonl_documents(path: Path, unit_key: str | None):
                        f"documents; give it its {json.dumps(unit_key)}")
     for k, where, obj, body in lines:
         if not keyed:
-            like = [key for key in obj if unit_key is not None and key != "text" and _id_like(key, unit_key)]
-            if like:
-                raise DataError(f"{where}: no {json.dumps(unit_key)} field but an id-like {json.dumps(like[0])}: if it "
-                               f"names the privacy unit pass it as the unit key (--unit-key {like[0]}); to make "
-                               "each line its own unit, pass --unit-key none")
+            keys = [key for key in obj if unit_key is not None and key != "text"]
+            for kind, like in (("an id-like", [key for key in keys if _id_like(key, unit_key)]),
+                               ("a person-like", [key for key in keys if _person_like(key)])):
+                if like:
+                    raise DataError(f"{where}: no {json.dumps(unit_key)} field but {kind} {json.dumps(like[0])}: if "
+                                   f"it names the privacy unit pass it as the unit key ({_unit_key_flag(like[0])}); "
+                                   "to make each line its own unit, pass --unit-key none")
             yield ("line", k), f"line {k}", body
             continue
-        name = normalized_unit_id(obj[unit_key])
+        name = canonical_unit_id(obj[unit_key])
         yield ("id", name), name, body
 
 
@@ -329,7 +396,7 @@ def _txt_documents(path: Path):
 
 def _dir_documents(root: Path, skipped: dict[str, int], names: dict[str, list[str]]):
     seen = set()
-    for rel, p in _walk(root):
+    for rel, p in _walk(root, skipped, names):
         try:
             st = p.stat()  # follows a symlink: the file itself
         except OSError as e:
@@ -373,7 +440,7 @@ def load_documents(path, encode: Callable[[str], Sequence[int]], seq_len: int, m
     if max_rows < 1:
         raise DataError(f"the rows per unit must be >= 1, got {max_rows}")
     p = Path(path)
-    skipped, skipped_names = {"non_utf8": 0, "empty": 0, "same_file": 0}, {}
+    skipped, skipped_names = {"non_utf8": 0, "empty": 0, "same_file": 0, "same_dir": 0}, {}
     if p.is_dir():
         kind, docs = "directory", _dir_documents(p, skipped, skipped_names)
     elif not p.exists():
@@ -409,7 +476,9 @@ def load_documents(path, encode: Callable[[str], Sequence[int]], seq_len: int, m
 
     if not units:
         raise DataError(f"{path}: no usable document ({skipped['non_utf8']} skipped as not UTF-8, "
-                       f"{skipped['empty']} skipped as empty or under 2 tokens); expected {ACCEPTED}")
+                       f"{skipped['empty']} skipped as empty or under 2 tokens"
+                       + (f", {skipped['same_dir']} symlinked folders not followed" if skipped['same_dir'] else "")
+                       + f"); expected {ACCEPTED}")
 
     order = list(units.values())  # first appearance in file order
     N, R = len(order), min(max_rows, max(u.rows for u in order))

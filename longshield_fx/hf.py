@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader
 
 import longshield_fx as lf
 
-from .cli.corpus import default_delta  # the CLI's δ rule: one rule for both front doors
+from .run_core import default_delta
 from .data import LogicalBatch, PoissonBatches
 from .losses import CausalLMLoss, PackedCausalLMLoss
 from .packing import PackedPoissonBatches, unit_slots_for
@@ -299,9 +299,22 @@ class DPTrainerMixin:
             self._sampler = PackedPoissonBatches([[self._document(i) for i in unit] for unit in units], q,
                                                  seq_len=p.pack_seq_len, rows=rows, unit_slots=unit_slots_for(rows),
                                                  pad_id=self._pad_id, insecure_seed=p.insecure_seed)
+            # Statistics of the private data (not covered by DP): kept here, said once by the main process.
+            self.truncated_units = self._sampler.truncated_units
+            self.dropped_tokens = self._sampler.dropped_tokens
+            if self.truncated_units and self.is_world_process_zero():
+                transformers.utils.logging.get_logger(__name__).warning(
+                    f"DPTrainer: {self.truncated_units} units truncated ({self.dropped_tokens} tokens dropped): packing "
+                    f"keeps at most per_device_train_batch_size={rows} rows of pack_seq_len={p.pack_seq_len} tokens "
+                    "of each unit (one piece of at most pack_seq_len tokens of one document per row, longest first); "
+                    "the dropped tokens are never trained on. These counts come from the private training data and "
+                    "are NOT covered by DP. To train on every token, raise per_device_train_batch_size (a unit of "
+                    "many documents needs a row per document) or pack_seq_len (a long document needs "
+                    "len / pack_seq_len rows)")
         else:
             self._seq_len = max(len(row["input_ids"]) for row in dataset)
             self._sampler = PoissonBatches(torch.arange(N), q, rows, insecure_seed=p.insecure_seed)
+            self.truncated_units = self.dropped_tokens = 0  # rows are padded to the longest, never cut
         steps = self.args.max_steps if self.args.max_steps > 0 else \
             math.ceil(self.args.num_train_epochs * len(self._sampler))
         sigma = p.noise_multiplier if p.noise_multiplier is not None else \
@@ -383,7 +396,9 @@ class DPTrainerMixin:
         return out_ids, out_labels
 
     def _collated(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels) of dataset ``rows``, collated and right-padded to the longest row."""
+        """(input_ids, labels) of dataset ``rows``, collated and right-padded to the longest row of
+        the training set, ``self._seq_len``: every physical batch has that one length. A collator
+        that pads further (``pad_to_multiple_of``) adds columns of padding past it, which are cut."""
         batch = self._collate([self._rows[i] for i in rows])
         if "labels" not in batch:
             raise ValueError("DPTrainer: the collated batch has no 'labels'; copy input_ids to labels (as "
@@ -397,7 +412,21 @@ class DPTrainerMixin:
                                  "as causal sequences from their first position: set tokenizer.padding_side = "
                                  "'right'")
             labels = labels.masked_fill(mask == 0, -100)
-        pad = self._seq_len - ids.shape[1]
+        T = self._seq_len
+        if ids.shape[1] > T:
+            # Past the longest training row a collator can only have padded (pad_to_multiple_of): the
+            # columns cut predict nothing (labels -100) and attend to nothing that is kept.
+            real = labels[:, T:] != -100
+            if mask is not None:
+                real |= mask[:, T:] != 0
+            if bool(real.any()):
+                raise ValueError(f"DPTrainer: the collator returned rows of {ids.shape[1]} tokens with a real token "
+                                 f"(attention_mask 1 or a label other than -100) past token {T}, the length of the "
+                                 "longest training row; every physical batch is cut to that length, so the collator "
+                                 "may add padding only (right-padded, labels -100): do not let it add or lengthen "
+                                 "rows")
+            ids, labels = ids[:, :T].contiguous(), labels[:, :T].contiguous()  # the capture guards strides
+        pad = T - ids.shape[1]
         if pad > 0:
             ids = torch.nn.functional.pad(ids, (0, pad), value=self._pad_id)
             labels = torch.nn.functional.pad(labels, (0, pad), value=-100)
@@ -567,7 +596,14 @@ def _drop_input_require_grads_hooks(model) -> None:
 
 
 def _units(dataset, column: str) -> list[list[int]]:
-    """The row indices of each unit (in order of first appearance), from ``column``."""
+    """The row indices of each unit (in order of first appearance), from ``column``. Values name
+    units through ``run_core.canonical_unit_id``, as the CLI's unit keys do: 'alice', ' ALICE' and
+    'ａｌｉｃｅ' are one unit, 5 and "5" one, "5" and "05" two (folding only merges, which is
+    conservative; a person split over k spellings would cost about k·ε)."""
+    import numbers
+
+    from .run_core import canonical_unit_id
+
     try:
         keys = dataset[column] if hasattr(dataset, "column_names") else [row[column] for row in dataset]
     except (KeyError, TypeError):
@@ -575,7 +611,14 @@ def _units(dataset, column: str) -> list[list[int]]:
                          "set") from None
     groups: dict = {}
     for i, key in enumerate(keys):
-        groups.setdefault(key, []).append(i)
+        if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            key = int(key)  # numpy's integers too
+        elif not isinstance(key, str):
+            raise ValueError(f"DPTrainer: row {i} of the training set has {column}={key!r} "
+                             f"({type(key).__name__}); the values of PrivacyArguments.unit_column={column!r} "
+                             "name privacy units and must be strings or integers: give the row its unit's id "
+                             "or drop it")
+        groups.setdefault(canonical_unit_id(key), []).append(i)
     return list(groups.values())
 
 

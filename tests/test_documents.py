@@ -76,7 +76,7 @@ def test_directory_rows_labels_and_skips(tree):
     assert s == {"documents": 3, "units": 3, "rows": 5, "rows_per_unit": 3, "seq_len": T,
                  "tokens_kept": 29, "tokens_total": 29, "truncated_units": 0, "tokens_dropped": 0,
                  "padding_fraction": round(1 - 29 / (3 * 3 * T), 6),
-                 "skipped": {"non_utf8": 1, "empty": 2, "same_file": 0},
+                 "skipped": {"non_utf8": 1, "empty": 2, "same_file": 0, "same_dir": 0},
                  "skipped_names": {"non_utf8": ["sub/latin1.txt"], "empty": ["empty.txt", "one.txt"]},
                  "source": str(tree)}
     # The skipped files are named, not only counted.
@@ -157,7 +157,7 @@ def test_jsonl_shared_ids_form_one_unit(tmp_path):
         assert torch.equal(docs.ids[i], ids) and torch.equal(docs.labels[i], labels), docs.units[i]
     assert docs.ids[0, 2].tolist()[:7] == list(b"alice 2")  # second document starts a fresh row
     s = docs.stats()
-    assert s["documents"] == 6 and s["units"] == 4 and s["skipped"] == {"non_utf8": 0, "empty": 1, "same_file": 0}
+    assert s["documents"] == 6 and s["units"] == 4 and s["skipped"] == {"non_utf8": 0, "empty": 1, "same_file": 0, "same_dir": 0}
     assert "1 lines skipped" in docs.describe()
 
 
@@ -176,6 +176,31 @@ def test_jsonl_ids_are_normalised_so_one_person_is_one_unit(tmp_path):
     assert docs.documents_per_unit == [5, 3, 2]
 
 
+@pytest.mark.parametrize("variants, name", [
+    (["alice", "Alice", "ALICE", " alice ", "alice\t", "ali\u200bce", "\uff41\uff4c\uff49\uff43\uff45"], "alice"),
+    (["Jos\u00e9", "Jose\u0301", "JOS\u00c9", "\u00a0jose\u0301 "], "jos\u00e9"),  # NFC, NFD, case, NBSP
+    (["alice\u00a0smith", "alice smith", "alice  smith", "Alice \u00a0Smith", "alice\u2003smith",
+      "alice \u00adsmith"], "alice smith"),  # NBSP, double space, em space, a soft hyphen
+    ([5, "5", " 5", "\uff15"], "5"),  # an int, its decimal string, a fullwidth digit
+])
+def test_jsonl_unit_id_variants_are_one_unit(tmp_path, variants, name):
+    """Every way of writing one person's id (run_core.canonical_unit_id) names ONE unit."""
+    f = write_jsonl(tmp_path / "d.jsonl", [{"id": v, "text": f"doc {k}"} for k, v in enumerate(variants)])
+    docs = load(f, max_rows=16)
+    assert docs.units == [name] and docs.documents_per_unit == [len(variants)] and docs.unit_key == "id"
+    ids, labels = unit_rows([f"doc {k}" for k in range(len(variants))], len(variants))  # a row per document
+    assert torch.equal(docs.ids[0], ids) and torch.equal(docs.labels[0], labels)
+
+
+def test_jsonl_ids_that_differ_in_more_than_spelling_stay_apart(tmp_path):
+    """Leading zeros are kept (an id scheme may use both "5" and "05"); spaces inside letters are not removed."""
+    f = write_jsonl(tmp_path / "d.jsonl", [{"id": i, "text": f"doc {k}"} for k, i in enumerate(
+        ["5", "05", 5, "alice", "a l i c e", "alicesmith", "alice smith"])])
+    docs = load(f)
+    assert docs.units == ["5", "05", "alice", "a l i c e", "alicesmith", "alice smith"]
+    assert docs.documents_per_unit == [2, 1, 1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("lines, phrase, line", [
     ([{"id": "a", "text": "one"}, {"text": "no id"}], 'no "id" field, while other lines have one', 2),
     ([{"text": "one", "ID": "alice"}, {"text": "two", "ID": "alice"}], 'id-like "ID"', 1),
@@ -183,12 +208,43 @@ def test_jsonl_ids_are_normalised_so_one_person_is_one_unit(tmp_path):
     ([{"text": "one", "userId": 3}], 'id-like "userId"', 1),
     (['{"id": "alice", "text": "one", "id": "bob"}'], 'the key "id" appears twice', 1),
     ([{"id": "   ", "text": "one"}], '"id" is empty', 1),
+    ([{"id": "a", "text": "one"}, {"id": "\u200b\u00a0", "text": "two"}], '"id" is empty', 2),  # invisible only
 ])
 def test_jsonl_unit_ids_that_could_split_a_person_are_refused(tmp_path, lines, phrase, line):
     f = write_jsonl(tmp_path / "d.jsonl", lines)
     with pytest.raises(DataError) as e:
         load(f)
     assert phrase in str(e.value) and f"{f}:{line}:" in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["author", "user", "email", "patient", "person", "name", "subject", "user_name",
+                                 "author_email", "userName", "authorEmail", "e-mail", "first_name", "Patient",
+                                 "username", "sender"])
+def test_jsonl_person_like_key_without_unit_key_is_refused(tmp_path, key):
+    """A line naming its person under another key would otherwise train as a unit of its own."""
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "first note", key: "Alice"}, {"text": "second note", key: "alice"}])
+    with pytest.raises(DataError) as e:
+        load(f)
+    assert str(e.value) == (f'{f}:1: no "id" field but a person-like "{key}": if it names the privacy unit pass it as '
+                            f"the unit key (--unit-key {key}); to make each line its own unit, pass --unit-key none")
+    assert "\n" not in str(e.value)
+    # Both ways out work: the key names the unit, or each line is its own unit.
+    by_key = load_documents(f, enc, seq_len=T, max_rows=4, pad_id=PAD, unit_key=key)
+    assert by_key.units == ["alice"] and by_key.documents_per_unit == [2]
+    by_line = load_documents(f, enc, seq_len=T, max_rows=4, pad_id=PAD, unit_key=None)
+    assert by_line.units == ["line 1", "line 2"]
+
+
+def test_jsonl_keys_that_name_no_person_are_not_refused(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "one", "title": "t", "file_name": "a.txt", "lang": "en",
+                                            "source": "web", "model_name": "m", "date": "2024"}, {"text": "two"}])
+    assert load(f).units == ["line 1", "line 2"]
+
+
+def test_jsonl_refusal_quotes_a_key_the_shell_would_split(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "one", "author name": "alice"}])
+    with pytest.raises(DataError, match="person-like \"author name\": .*\\(--unit-key 'author name'\\);"):
+        load(f)
 
 
 def test_jsonl_unit_key_names_the_field_or_none_for_one_unit_per_line(tmp_path):
@@ -210,6 +266,42 @@ def test_directory_reads_one_file_reached_twice_once(tmp_path):
     docs = load(d)
     assert docs.units == ["a.txt", "d.txt"]
     assert docs.skipped["same_file"] == 2 and "one file reached twice: 2" in docs.describe()
+
+
+def test_directory_follows_a_symlinked_folder_once_and_names_loops(tmp_path):
+    d, outside = tmp_path / "data", tmp_path / "outside"
+    (d / "sub").mkdir(parents=True)
+    (outside / "deep").mkdir(parents=True)
+    (d / "a.txt").write_text("top level")
+    (d / "sub" / "s.txt").write_text("in a real folder")
+    (outside / "o.txt").write_text("linked in")
+    (outside / "deep" / "x.txt").write_text("linked, deeper")
+    (d / "linked").symlink_to(outside, target_is_directory=True)  # followed: its files are trained
+    (d / "sub" / "loop").symlink_to(d, target_is_directory=True)  # the root again: not followed
+    (d / "up").symlink_to(tmp_path, target_is_directory=True)  # contains the root: a loop
+    (d / "z_again").symlink_to(outside, target_is_directory=True)  # read already, as linked/
+    docs = load(d)
+    assert docs.units == ["a.txt", "linked/deep/x.txt", "linked/o.txt", "sub/s.txt"]  # relative path order
+    ids, labels = unit_rows(["linked, deeper"], docs.rows_per_unit)
+    assert torch.equal(docs.ids[1], ids) and torch.equal(docs.labels[1], labels)
+    assert docs.skipped == {"non_utf8": 0, "empty": 0, "same_file": 0, "same_dir": 3}
+    assert docs.skipped_names == {"same_dir": ["sub/loop", "up", "z_again"]}
+    assert docs.describe().endswith(
+        "0 files skipped (non-UTF-8: 0, empty: 0, one file reached twice: 0), 3 symlinked folders not followed; "
+        "a symlink loop or a folder read once already: sub/loop, up, z_again")
+
+
+def test_directory_reads_a_folder_reached_twice_under_its_first_path(tmp_path):
+    d = tmp_path / "data"
+    (d / "real").mkdir(parents=True)
+    (d / "real" / "r.txt").write_text("one record")
+    (d / "b" / "c").mkdir(parents=True)
+    (d / "a_link").symlink_to(d / "real", target_is_directory=True)  # "a_link" < "real": read there
+    (d / "b" / "c" / "l").symlink_to(d / "real", target_is_directory=True)
+    (d / "b" / "c" / "f.txt").symlink_to(d / "real" / "r.txt")  # a file link: read once already
+    docs = load(d)
+    assert docs.units == ["a_link/r.txt"] and docs.documents_per_unit == [1]
+    assert docs.skipped_names == {"same_dir": ["b/c/l", "real"], "same_file": ["b/c/f.txt"]}
 
 
 def test_jsonl_truncation_across_documents_of_one_unit(tmp_path):
@@ -249,7 +341,7 @@ def test_txt_one_document_per_line(tmp_path):
     for i, text in enumerate(["first line", "second"]):
         ids, labels = unit_rows([text], 2)
         assert torch.equal(docs.ids[i], ids) and torch.equal(docs.labels[i], labels)
-    assert docs.skipped == {"non_utf8": 0, "empty": 1, "same_file": 0}  # "z"
+    assert docs.skipped == {"non_utf8": 0, "empty": 1, "same_file": 0, "same_dir": 0}  # "z"
 
 
 # --- errors --------------------------------------------------------------------------------------

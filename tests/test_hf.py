@@ -396,6 +396,125 @@ def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, 
         assert torch.equal(ours, theirs), name
 
 
+def _lengths_seen(collate, seen: list):
+    """``collate``, noting the length of each batch it returns."""
+    def collated(features):
+        batch = collate(features)
+        seen.append(len(batch["input_ids"][0]))
+        return batch
+    return collated
+
+
+def test_a_collator_padding_to_a_multiple_of_8_trains_in_one_shape(folders, tmp_path):
+    """``pad_to_multiple_of=8``: a batch holding a row longer than 16 comes back 24 long, past the
+    longest row (21); the padding columns past 21 are cut, the other batches padded to 21, so every
+    physical batch has one shape. A collator that puts a real token past 21 is refused."""
+    tok = transformers.AutoTokenizer.from_pretrained(folders[1])
+    gen = torch.Generator().manual_seed(3)
+    lengths = [21, *torch.randint(3, 21, (15,), generator=gen).tolist()]
+    rows = [{"input_ids": torch.randint(4, 300, (n,), generator=gen).tolist()} for n in lengths]
+    seen = []
+    trainer = DPTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]), train_dataset=rows,
+                        data_collator=_lengths_seen(transformers.DataCollatorForLanguageModeling(
+                            tok, mlm=False, pad_to_multiple_of=8), seen),
+                        args=transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3,
+                                                            max_steps=4, save_strategy="no", report_to="none",
+                                                            use_cpu=True),
+                        privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=6, insecure_seed=SEED))
+    trainer.train()
+    assert trainer.engine.accountant.steps == 4 and trainer.engine.captures == 1 and trainer._seq_len == 21
+    assert 24 in seen and min(seen) < 21, seen  # both kinds of batch ran
+    ids, labels = trainer._collated(list(range(6)))
+    assert ids.shape == labels.shape == (6, 21) and torch.equal(ids[0], torch.tensor(rows[0]["input_ids"]))
+
+    def one_more_token(features):  # a real token past the longest row
+        longer = [{"input_ids": f["input_ids"] + [5] * (24 - len(f["input_ids"]))} for f in features]
+        return {"input_ids": torch.tensor([f["input_ids"] for f in longer]),
+                "labels": torch.tensor([f["input_ids"] for f in longer])}
+    trainer._collate = one_more_token
+    with pytest.raises(ValueError, match="^DPTrainer: the collator returned rows of 24 tokens with a real token .* "
+                                         "past token 21, the length of the longest training row"):
+        trainer._collated([0, 1])
+
+
+def test_trl_sft_with_pad_to_multiple_of_8_trains_in_one_shape(folders, tmp_path):
+    """TRL's ``SFTConfig(pad_to_multiple_of=8)`` over texts of random lengths: the same cut."""
+    import datasets
+    import trl
+
+    from longshield_fx.hf import DPSFTTrainer
+
+    rng = torch.Generator().manual_seed(4)
+    texts = [t[:int(n)] for t, n in zip(ff.documents(16, seed=6), torch.randint(10, 90, (16,), generator=rng))]
+    trainer = DPSFTTrainer(
+        model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]),
+        args=trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=4, pad_to_multiple_of=8,
+                           save_strategy="no", report_to="none", use_cpu=True, bf16=False),
+        train_dataset=datasets.Dataset.from_list([{"text": t} for t in texts]),
+        processing_class=transformers.AutoTokenizer.from_pretrained(folders[1]),
+        privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=6, insecure_seed=SEED))
+    seen = []
+    trainer.data_collator = _lengths_seen(trainer.data_collator, seen)
+    trainer.train()
+    assert trainer.engine.accountant.steps == 4 and trainer.engine.captures == 1
+    assert trainer._seq_len % 8 and any(n > trainer._seq_len for n in seen), (trainer._seq_len, seen)
+
+
+def _unit_trainer(folders, tmp_path, people: list, **privacy) -> DPTrainer:
+    ids = torch.randint(3, 300, (len(people), 8), generator=torch.Generator().manual_seed(5)).tolist()
+    return DPTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]),
+                     train_dataset=[{"person": p, "input_ids": r, "labels": r} for p, r in zip(people, ids)],
+                     args=transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                                         max_steps=1, save_strategy="no", report_to="none",
+                                                         use_cpu=True),
+                     privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=1, unit_column="person",
+                                              insecure_seed=SEED, **privacy))
+
+
+def test_unit_ids_are_canonicalised_and_other_values_refused(folders, tmp_path):
+    """One person spelled five ways is one unit, 5 and "5" one, "05" another (``canonical_unit_id``);
+    a value that is neither a string nor an integer names no unit and is refused."""
+    people = ["alice", 5, "Alice", " ALICE", "5", "ali\u200bce", "05", "ａｌｉｃｅ"]
+    trainer = _unit_trainer(folders, tmp_path, people)
+    trainer.get_train_dataloader()
+    assert trainer._units == [[0, 2, 3, 5, 7], [1, 4], [6]]
+    assert trainer.num_examples(trainer.get_train_dataloader()) == 3
+    for i, bad in ((1, None), (2, 5.0), (1, True)):
+        trainer = _unit_trainer(folders, tmp_path, ["bob", "carol", "dave"][:i] + [bad] + ["erin"])
+        with pytest.raises(ValueError, match=rf"^DPTrainer: row {i} of the training set has person={bad!r} "
+                                             rf"\({type(bad).__name__}\); .* must be strings or integers"):
+            trainer.get_train_dataloader()
+
+
+def test_packing_that_truncates_units_warns_with_the_counts(folders, tmp_path, caplog):
+    """Persons with more documents than a physical batch has rows: packing keeps the longest
+    ``per_device_train_batch_size`` pieces of each; the trainer says how many units and tokens
+    (NOT covered by DP) and keeps the counts, which are ``PackedPoissonBatches``'s own."""
+    from longshield_fx.packing import PackedPoissonBatches
+
+    gen = torch.Generator().manual_seed(6)
+    sizes = [1, 5, 2, 7, 3, 1]  # documents per person; 2 rows per physical batch
+    rows = [{"person": f"p{u}", "input_ids": torch.randint(3, 300, (int(n),), generator=gen).tolist()}
+            for u, k in enumerate(sizes) for n in torch.randint(4, 40, (k,), generator=gen)]
+    trainer = DPTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]), train_dataset=rows,
+                        args=transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                                            max_steps=1, save_strategy="no", report_to="none",
+                                                            use_cpu=True),
+                        privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=2, unit_column="person",
+                                                 pack_seq_len=16, insecure_seed=SEED))
+    with caplog.at_level("WARNING", logger="longshield_fx.hf"):
+        trainer.get_train_dataloader()
+    own = PackedPoissonBatches([[r["input_ids"] for r in rows if r["person"] == f"p{u}"] for u in range(len(sizes))],
+                               0.5, seq_len=16, rows=2, unit_slots=8)
+    assert (trainer.truncated_units, trainer.dropped_tokens) == (own.truncated_units, own.dropped_tokens)
+    assert own.truncated_units >= 3 and own.dropped_tokens > 0
+    said = [r.getMessage() for r in caplog.records if r.name == "longshield_fx.hf" and r.levelname == "WARNING"]
+    assert len(said) == 1 and said[0].startswith(
+        f"DPTrainer: {own.truncated_units} units truncated ({own.dropped_tokens} tokens dropped): packing keeps at "
+        "most per_device_train_batch_size=2 rows of pack_seq_len=16 tokens"), said
+    assert "NOT covered by DP" in said[0] and "raise per_device_train_batch_size" in said[0]
+
+
 def test_data_parallel_over_several_gpus_of_one_process_is_refused(folders, tmp_path, monkeypatch):
     """``n_gpu > 1`` (the Trainer would wrap the model in DataParallel): one process per GPU instead.
     No machine here has two GPUs, so the property says so."""

@@ -82,6 +82,7 @@ def audit(args) -> int:
         raise CLIError("audit runs in one process: drop --cp and torchrun")
     job = Job(args, time.time())
     _check_args(job)
+    _check_canary_memory(args.canaries, args.kind, args.seq_len)  # before the corpus: refuse, don't get killed
     _load_corpus(job)
     _check_canaries(args, job.delta)
     build_model_for(job)
@@ -121,6 +122,58 @@ def _check_canaries(args, delta: float) -> None:
     if args.canaries < fewest:
         raise CLIError(f"--canaries {args.canaries}: even all-correct guesses on so few canaries cannot refute any "
                        f"ε at --confidence {args.confidence:g}; use at least {fewest} (hundreds for a useful bound)")
+
+
+# What one canary holds at the audit's peak, beyond its seq_len-long rows (bytes): its coin
+# (1) and the int64 words drawing it (24: stream, shift, mask), its share of the canary
+# index column (~8), the audit parameter's float32 value, gradient, clipped sum and two AdamW
+# states (20), and the float64 score with the temporaries of one ``WhiteBoxScores.observe``
+# (~40). Rounded up.
+_CANARY_SCALAR_BYTES = 96
+# The estimate counts the canaries only: the model, its optimizer states and activations, the
+# corpus (which training_rows copies once) and allocator slack need room beside them, and
+# MemAvailable is what the kernel could free, not what is free. So refuse at half of it.
+_MEMORY_SAFETY = 2
+
+
+def _canary_bytes(m: int, kind: str, seq_len: int) -> int:
+    """Estimated peak bytes of m canaries (``draw_canaries``, ``training_rows``, the white-box
+    parameter and scores). White-box: ~m/2 included canaries each become a copy of the null
+    row, int64 ids and labels (16·T bytes); black-box: drawing the (m, T) int64 sequences
+    peaks at three int64 words per token (stream, shift, mask: 24·T), above the ids (8·T)
+    plus the ~m/2 included rows (8·T) that stay."""
+    per_token = 8 if kind == "white" else 24
+    return m * (per_token * seq_len + _CANARY_SCALAR_BYTES)
+
+
+def _check_canary_memory(m: int, kind: str, seq_len: int, available: int | None = None) -> None:
+    """Before the corpus and the canaries: refuse a count this machine cannot hold, in one line,
+    rather than be killed for memory midway. ``available``: bytes (default: this machine's)."""
+    need = _canary_bytes(m, kind, seq_len)
+    available = _available_memory() if available is None else available
+    if available is None or need * _MEMORY_SAFETY <= available:  # unknown: nothing to go by, let it run
+        return
+    fits = available // (_MEMORY_SAFETY * (need // m))
+    raise CLIError(f"--canaries {m}: {kind}-box canaries at T={seq_len} need an estimated {need / 2 ** 30:,.1f} GiB "
+                   f"({need:,} bytes; {_MEMORY_SAFETY}x that with room for the model and the run) but "
+                   f"{available / 2 ** 30:,.1f} GiB of memory is available; use a smaller --canaries "
+                   + (f"(at most {fits:,} here)" if fits else "(none fit here at this -T; lower -T)"))
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation: Linux's MemAvailable (counts the page
+    cache it could drop), else the free physical pages; None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the value is in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class _Scoring:

@@ -7,7 +7,6 @@ length; the truncation is reported. Nothing is downloaded.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sysconfig
 from pathlib import Path
 
@@ -92,17 +91,6 @@ def stdlib_corpus(seq_len: int, max_files: int | None = None) -> Corpus:
         ids[i, :len(data)] = row
         labels[i, :len(data)] = row
     return Corpus(ids, labels, lengths, seq_len, skipped)
-
-
-DELTA_RULE = "the largest power of ten <= min(1e-5, N^-1.1)"
-
-
-def default_delta(num_documents: int) -> float:
-    """δ = the largest power of ten ≤ min(1e-5, N^-1.1): well below 1/N (Ponomareva et al. 2023,
-    "How to DP-fy ML", recommend δ ≪ 1/N), so a mechanism that releases one whole record with
-    probability δ leaks far less than one record in expectation (N·δ ≤ N^-0.1). A power of ten,
-    because δ is published with ε and N is private: δ then tells N's order of magnitude at most."""
-    return 10.0 ** math.floor(math.log10(min(1e-5, float(num_documents) ** -1.1)) + 1e-12)
 
 
 PRIVACY_UNIT = "per document (add/remove one document)"

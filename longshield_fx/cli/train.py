@@ -20,7 +20,8 @@ from .checkpoints import (CHECKPOINT_FORMAT, atomic_save, checkpoint_dir, jsonab
                           resolve_resume, signature_diff)
 from .common import (CLIError, Formatter, add_model_args, check_model_flags, check_seq_len, nonneg_float, nonneg_int,
                      positive_float, positive_int, rank, say, setup_distributed)
-from .corpus import DELTA_RULE, PRIVACY_UNIT, default_delta, stdlib_corpus
+from ..run_core import DELTA_RULE, default_delta
+from .corpus import PRIVACY_UNIT, stdlib_corpus
 from .train_data import add_data_args, build_model_for, check_data_args, data_signature, load_documents_for
 
 DESCRIPTION = (
@@ -144,6 +145,12 @@ def _output_args(p) -> None:
                    "uninterrupted one would, with fresh noise. Without --resume, the same command run again in "
                    "the same --out continues its run the same way (so torchrun --max-restarts restarts it), and "
                    "an --out holding another run is refused (default: none)")
+    p.add_argument("--fork", action="store_true",
+                   help="continue from a checkpoint older than the newest step in the run's ledger "
+                   "(privacy_ledger.jsonl in --out), or start over in an --out whose ledger holds steps: without "
+                   "it that is refused, since the released steps would be redrawn with fresh noise. ε then covers "
+                   "every step in the ledger, both branches (a redrawn batch counts as the same subsampled batch "
+                   "released twice), and privacy.json says the run is a fork")
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -184,6 +191,7 @@ class Job:
     explicit_resume: bool = False        # --resume DIR (else: continuing the --out's own checkpoints)
     checkpoint: tuple | None = None      # (state, path) of the newest checkpoint, once read
     restart_if_same: list | None = None  # outputs found in --out with no checkpoint
+    ledger: object = None                # run_core.RunLedger of run_dir (and of the run --resume continues)
     start_step: int = 0
     tokens_seen: int = 0
     elapsed_before: float = 0.0
@@ -210,6 +218,9 @@ def train(args) -> int:
     job = Job(args, time.time())
     _check_args(job)
     _claim_run_dir(job)
+    from ..run_core import RunLedger
+
+    job.ledger = RunLedger(job.run_dir, job.resumed_run)
     job.mesh, job.dp, job.dp_rank = setup_distributed(args.cp, args.device, "train")
     job.fsdp = _fsdp_dims(args.fsdp, job.mesh)
     _load_corpus(job)
@@ -243,7 +254,7 @@ def train(args) -> int:
 # Flags that may change between the sessions of one run: where and how often it writes, what it logs,
 # and the layout it runs on (a checkpoint resumes on any world size).
 _PER_SESSION = {"out", "resume", "save_every", "keep_checkpoints", "eval_every", "log_private_stats", "device",
-                "cp", "fsdp"}
+                "cp", "fsdp", "fork"}
 _OUTPUTS = ("metrics.jsonl", "summary.json", "privacy.json", "final_model.pt", "signature.json")
 
 
@@ -401,6 +412,7 @@ def _decide_sigma(job: Job) -> dict | None:
     else:
         sigma = _calibrated_sigma(job)
     job.sigma, job.signature = sigma, make_signature(job, sigma)
+    _check_ledger(job, state)
     if job.restart_if_same:
         before = _read_signature(job.run_dir)
         if before != job.signature:
@@ -411,13 +423,26 @@ def _decide_sigma(job: Job) -> dict | None:
     return state
 
 
+def _check_ledger(job: Job, state: dict | None) -> None:
+    """Refuse, before anything is built or written, to continue from a step older than the run
+    ledger's newest (or to start over in a folder whose ledger holds steps) unless --fork."""
+    newest, at = job.ledger.newest(), (state or {}).get("step", 0)
+    if at < newest and not job.args.fork:
+        raise CLIError(f"the run ledger {job.ledger.paths[0]} records step {newest}, released, but "
+                       + (f"the newest complete checkpoint is {job.resumed_from.name} at step {at}" if state else
+                          "there is no checkpoint to continue from")
+                       + ": continuing would redraw released steps with fresh noise and under-report ε; nothing was "
+                       "changed. Restore the newer checkpoint, pass a new --out, or add --fork (ε then covers every "
+                       "step in the ledger, both branches)")
+
+
 def _calibrated_sigma(job: Job) -> float:
     """σ calibrated to --target-epsilon (on rank 0, broadcast to every rank)."""
-    from ..runtime.calibration import calibrate_noise_on_rank_0
+    from ..run_core import calibrated_sigma
 
     args = job.args
     try:
-        return calibrate_noise_on_rank_0(args.target_epsilon, job.delta, job.q, args.steps, method=args.accountant)
+        return calibrated_sigma(args.target_epsilon, job.delta, job.q, args.steps, args.accountant)
     except ValueError as e:  # an unreachable target, a vacuous δ: the flags, not the program
         raise CLIError(f"--target-epsilon {args.target_epsilon:g} with --delta {job.delta:g}: {e}") from None
 
@@ -504,12 +529,17 @@ def _restore(job: Job, state: dict) -> None:
                        + " --fsdp (sharded model states); resume it " + ("with --fsdp under torchrun"
                                                                          if state.get("dcp") else "without --fsdp"))
     if state.get("dcp"):  # model, optimizer, engine and sampler, re-sharded for this run's mesh
-        lf.load_checkpoint(job.ckpt_folder / state["dcp"], job.engine, job.opt, job.batches)
+        job.ledger.sync()  # the ledger load_checkpoint reads is run_dir's: it holds every folder's steps
+        lf.load_checkpoint(job.ckpt_folder / state["dcp"], job.engine, job.opt, job.batches, fork=job.args.fork,
+                           run_dir=job.run_dir)
     else:
+        elsewhere = job.ledger.admit(state["engine"] | {"sampler": state["sampler"]}, fork=job.args.fork,
+                                     fork_hint="add --fork", where="train")
         job.model.load_state_dict(state["model"])
         job.opt.load_state_dict(state["optimizer"])
         job.batches.load_state_dict(state["sampler"])  # continues the same secret sampling stream
-        job.engine.load_state_dict(state["engine"])  # the accountant; the noise key is fresh
+        # the accountant (and the ledger's other branches, on a fork); the noise key is fresh
+        job.engine.load_state_dict(state["engine"], fork=job.args.fork, released_elsewhere=elsewhere)
     torch.set_rng_state(state["torch_rng"])
     if state.get("cuda_rng") is not None and job.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"])
@@ -603,7 +633,9 @@ def save_checkpoint(job: Job, step: int) -> None:
     folder = checkpoint_dir(job.run_dir)
     if job.fsdp:
         dcp_name = f"ckpt-{step:08d}.dcp"
-        lf.save_checkpoint(folder / dcp_name, job.engine, job.opt, job.batches)
+        if job.rank0:
+            job.ledger.record(job.engine, job.batches, "checkpoint")
+        lf.save_checkpoint(folder / dcp_name, job.engine, job.opt, job.batches, run_dir=job.run_dir)
         dist.barrier()
         held = {"dcp": dcp_name, "model": None, "optimizer": None, "sampler": None, "engine": None}
     elif job.rank0:
@@ -611,6 +643,7 @@ def save_checkpoint(job: Job, step: int) -> None:
                 "sampler": job.batches.state_dict(), "engine": job.engine.state_dict()}
     if not job.rank0:
         return
+    job.ledger.record(job.engine, job.batches, "checkpoint")
     state = {  # SECRET: the sampler's state holds the sampling key
         "format": CHECKPOINT_FORMAT, "complete": True, "step": step, "signature": job.signature,
         "args": saved_flags(job.args),

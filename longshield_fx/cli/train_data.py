@@ -21,8 +21,9 @@ def add_data_args(p) -> None:
     p.add_argument("--unit-key", type=_unit_key, default="id", metavar="KEY",
                    help="the .jsonl field naming the privacy unit (a person, a patient): lines sharing its value "
                    "are one unit; every line must have it, or none (then each line is its own unit); 'none': each "
-                   "line its own unit whatever its fields. Values are compared after Unicode NFC, stripping and "
-                   "case folding")
+                   "line its own unit whatever its fields. Values are compared after Unicode NFKC, case folding, "
+                   "removing invisible characters and collapsing whitespace ('5' and '05' stay two units); lines "
+                   "without it but with an id-like or person-like field (user_id, author, email, ...) are refused")
     p.add_argument("--max-rows", type=positive_int, default=8, metavar="R",
                    help="rows of T tokens per privacy unit: a longer unit is cut after R rows (reported); every "
                    "unit is padded to the longest unit's rows, at most R")
@@ -87,8 +88,8 @@ def load_documents_for(job):
 
     docs = load(args.data)
     if docs.unit_key is not None:
-        job.unit = (f"per unit: every document sharing one {docs.unit_key!r} (normalised: NFC, stripped, "
-                    "case-folded; add/remove one unit)")
+        job.unit = (f"per unit: every document sharing one {docs.unit_key!r} (compared after NFKC, case folding, "
+                    "removing invisible characters and collapsing whitespace; add/remove one unit)")
     if args.eval_fraction:
         return docs.split(args.eval_fraction, args.seed)
     return docs, load(args.eval_data) if args.eval_data else None

@@ -17,8 +17,9 @@ import time
 import torch
 
 from .checkpoints import atomic_save, checkpoint_dir
-from .corpus import DELTA_RULE, NOT_COVERED, PRIVACY_UNIT
+from .corpus import NOT_COVERED, PRIVACY_UNIT
 from .common import say
+from ..run_core import DELTA_RULE, SAMPLE_RATE_CHOSEN, SAMPLE_RATE_DERIVED
 from .train import Job, sampling_choice, save_checkpoint
 
 
@@ -39,6 +40,8 @@ def run_steps(job: Job) -> None:
             except RuntimeError as e:  # a collective that timed out (init_process_group's timeout), or any other
                 raise RuntimeError(f"step {step}: {e}") from e
             if job.eval_set is not None and (step % args.eval_every == 0 or step == args.steps):
+                if job.rank0:  # the held-out loss is a function of the model: the steps leave with it
+                    job.ledger.record(job.engine, job.batches, "evaluation")
                 row[NOT_COVERED].update(_evaluate_on_rank0(job))
             job.rows.append(row)
             metrics.write(json.dumps(row) + "\n")
@@ -188,7 +191,8 @@ def summary(job: Job, eps: float, loop: float, wall: float, startup: float) -> d
         "privacy_unit": job.unit.removeprefix("per "), "epsilon": eps, "delta": job.delta,
         "delta_rule": DELTA_RULE if args.delta is None else "given", "accountant": args.accountant,
         "target_epsilon": None if args.sigma is not None else args.target_epsilon, "sigma": job.sigma,
-        "sample_rate": job.q, "sample_rate_source": sample_rate_source(args), **sampling_choice(args),
+        "sample_rate": job.q, "sample_rate_source": SAMPLE_RATE_CHOSEN if args.sample_rate is not None else SAMPLE_RATE_DERIVED,
+        **sampling_choice(args),
         "max_grad_norm": args.max_grad_norm, "insecure_seed": args.insecure_seed,
         "privacy_void": args.insecure_seed is not None, "init_seed": args.seed, "seq_len": args.seq_len,
         "max_files": None if args.data else args.max_files,
@@ -197,33 +201,17 @@ def summary(job: Job, eps: float, loop: float, wall: float, startup: float) -> d
     }
 
 
-def sample_rate_source(args) -> str:
-    if args.sample_rate is not None:
-        return "chosen (--sample-rate): public"
-    return ("derived: --expected-batch-size E over the number of units N, which is private and not written here "
-            "(q and E together give N; --sample-rate publishes q as a choice instead)")
-
-
-def privacy_record(job: Job, eps: float) -> dict:
-    """privacy.json: the guarantee of the released model, a model-card fragment."""
-    from importlib.metadata import version
+def privacy_record(job: Job) -> dict:
+    """privacy.json: the guarantee of the released model (``run_core.privacy_record``)."""
+    from ..run_core import privacy_record as record
 
     args = job.args
-    trained = sum(p.numel() for p in job.model.parameters() if p.requires_grad)
-    return {
-        "epsilon": eps, "delta": job.delta, "accountant": f"{args.accountant.upper()} (dp-accounting)",
-        "delta_rule": DELTA_RULE if args.delta is None else "given",
-        "privacy_unit": job.unit.removeprefix("per "),
-        "mechanism": "DP-SGD: Poisson sampling of units, per-unit gradient clipping, Gaussian noise",
-        "sample_rate": job.q, "sample_rate_source": sample_rate_source(args),
-        "noise_multiplier": job.sigma, "steps": args.steps,
-        "max_grad_norm": args.max_grad_norm, "clipping": args.clipping,
-        "trained_parameters": trained, "lora": job.model_desc.get("lora"),
-        "privacy_void": args.insecure_seed is not None, "insecure_seed": args.insecure_seed,
-        "not_covered": "losses, timings and counts in metrics.jsonl and summary.json come from the data without "
-                       "noise; held-out evaluation documents are never trained on and are not protected by ε",
-        "library": f"longshield_fx {version('longshield_fx')}",
-    }
+    return record(job.engine, delta=job.delta, delta_given=args.delta is not None, unit=job.unit.removeprefix("per "),
+                  sample_rate=job.q, sample_rate_chosen=args.sample_rate is not None, model=job.model,
+                  insecure_seed=args.insecure_seed, final=True,
+                  not_covered="losses, timings and counts in metrics.jsonl and summary.json come from the data without "
+                              "noise; held-out evaluation documents are never trained on and are not protected by ε",
+                  lora=job.model_desc.get("lora"))
 
 
 def _write_outputs(job: Job, summary_: dict, eps: float) -> str:
@@ -231,6 +219,9 @@ def _write_outputs(job: Job, summary_: dict, eps: float) -> str:
     summary.json; returns the list of written files."""
     from ..tools.plots import loss_vs_epsilon
 
+    from ..run_core import write_privacy_record
+
+    job.ledger.record(job.engine, job.batches, "final model")
     final = job.run_dir / "final_model.pt"
     atomic_save(job.model.state_dict(), final)
     written = [str(job.metrics_path)]
@@ -239,8 +230,7 @@ def _write_outputs(job: Job, summary_: dict, eps: float) -> str:
 
         what = save_hf_model(job.model.lm, job.tokenizer, job.run_dir / "model", job.args.lora_save)
         written.append(f"{job.run_dir / 'model'} ({what}, Hugging Face format)")
-    privacy = job.run_dir / "privacy.json"
-    privacy.write_text(json.dumps(privacy_record(job, eps), indent=1) + "\n")
+    privacy = write_privacy_record(job.run_dir, privacy_record(job))
     png = loss_vs_epsilon([{"epsilon": r["epsilon"], "loss": _private(r).get("train_loss"),
                             "eval_loss": _private(r).get("eval_loss")} for r in job.rows],
                           job.run_dir / "loss_vs_epsilon.png",

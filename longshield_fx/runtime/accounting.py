@@ -167,6 +167,14 @@ class PrivacyAccountant:
     each distinct (sigma, q) step's PLD built once; so the cost of a call does
     not depend on how many steps came before it (beyond the growth of PLD's own
     privacy-loss PMF). The answer is cached per delta until the next step.
+
+    ``released_elsewhere`` (set by a fork: ``Engine.load_state_dict(..., fork=True)``) lists
+    steps that other branches of the same run released, as ``(step, sigma, q)``. A step index
+    means the same subsampled batch as this history's step of that index (the same sampling
+    stream redraws it), released again with independent noise: the k releases of one batch are
+    one Poisson-sampled Gaussian step at sigma_eff = (sum of sigma^-2)^-1/2 (for equal sigmas,
+    sigma / sqrt(k)). ``None`` marks an independent Poisson draw (another stream), composed as
+    a step of its own. Such a history is composed afresh at each new step.
     """
 
     def __init__(self, method: str = DEFAULT_METHOD) -> None:
@@ -176,6 +184,7 @@ class PrivacyAccountant:
 
     def _reset(self, runs: list[tuple[float, float, int]]) -> None:
         self._runs = list(runs)
+        self._elsewhere: list[tuple[int | None, float, float]] = []
         self._num_steps = sum(n for _, _, n in runs)
         # Runs recorded but not yet composed into self._accountant, which the first epsilon makes.
         self._pending = list(runs)
@@ -183,6 +192,47 @@ class PrivacyAccountant:
         # A noiseless step makes epsilon infinite for good; it is never composed.
         self._non_private = any(s == 0.0 for s, _, _ in runs)
         self._cache: dict[float, float] = {}
+
+    @property
+    def released_elsewhere(self) -> list[tuple[int | None, float, float]]:
+        return list(self._elsewhere)
+
+    @released_elsewhere.setter
+    def released_elsewhere(self, steps) -> None:
+        checked = []
+        for step, s, q in steps:
+            _check_noise_multiplier(s)
+            _check_sample_rate(q)
+            if step is not None:
+                _check_count("step", step, 1)
+            checked.append((None if step is None else int(step), float(s), float(q)))
+        self._elsewhere = checked
+        self._cache.clear()
+
+    def step_parameters(self, first: int, last: int) -> list[tuple[float, float]]:
+        """(sigma, q) of this history's steps ``first`` .. ``last`` (counted from 1)."""
+        out, start = [], 1
+        for s, q, n in self._runs:
+            lo, hi = max(first, start), min(last, start + n - 1)
+            out += [(s, q)] * max(0, hi - lo + 1)
+            start += n
+        return out
+
+    def _composed_runs(self) -> list[tuple[float, float, int]]:
+        """This history with ``released_elsewhere`` merged in, as (sigma, q, count) runs."""
+        from collections import Counter, defaultdict
+
+        again = defaultdict(list)
+        counts: Counter = Counter()
+        for step, s, q in self._elsewhere:
+            if step is not None and step <= self._num_steps:
+                again[step].append(s)
+            else:  # an independent draw, or a step this branch has not redrawn (yet)
+                counts[(s, q)] += 1
+        for step, (s, q) in enumerate(self.step_parameters(1, self._num_steps), 1):
+            sigmas = [s, *again.get(step, ())]
+            counts[(0.0 if 0.0 in sigmas else sum(x ** -2 for x in sigmas) ** -0.5, q)] += 1
+        return [(s, q, n) for (s, q), n in counts.items()]
 
     @property
     def method(self) -> str:
@@ -228,7 +278,16 @@ class PrivacyAccountant:
         cached = self._cache.get(delta)
         if cached is not None:
             return cached
-        if self._num_steps == 0:
+        if self._elsewhere:
+            runs = self._composed_runs()
+            if any(s == 0.0 for s, _, _ in runs):
+                eps = math.inf
+            else:
+                composed = _PLDSteps() if self._method == "pld" else _RdpSteps()
+                for s, q, n in runs:
+                    composed.compose(s, q, n)
+                eps = float(composed.get_epsilon(delta))
+        elif self._num_steps == 0:
             eps = 0.0  # nothing released yet
         elif self._non_private:
             eps = math.inf  # a noiseless release is not private at any epsilon
@@ -247,7 +306,10 @@ class PrivacyAccountant:
 
     def state_dict(self) -> dict:
         """Plain python lists/floats/ints/str, safe for ``torch.save(weights_only=True)``."""
-        return {"method": self._method, "history": [[s, q, n] for s, q, n in self._runs]}
+        state = {"method": self._method, "history": [[s, q, n] for s, q, n in self._runs]}
+        if self._elsewhere:
+            state["released_elsewhere"] = [[step, s, q] for step, s, q in self._elsewhere]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the history with the one saved by :meth:`state_dict`.
@@ -282,6 +344,7 @@ class PrivacyAccountant:
             _check_count("num_steps", n, 1)
             runs.append((float(s), float(q), int(n)))
         self._reset(runs)
+        self.released_elsewhere = [tuple(e) for e in state.get("released_elsewhere", ())]
 
 
 def epsilon_for(

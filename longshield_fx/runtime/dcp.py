@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -23,13 +24,20 @@ import torch
 # this module: 0.7 s of every process's start, for runs that never write a DCP checkpoint.
 
 
-def save(path, engine, optimizer, sampler=None) -> None:
+def save(path, engine, optimizer, sampler=None, *, run_dir=None) -> None:
     """Write ``engine``'s model, ``optimizer`` and engine state (and ``sampler``'s) to the
     folder ``path``; every rank of the run calls it. Save between ``finalize`` and the next
-    ``accumulate``."""
+    ``accumulate``. First the steps taken since the last save go into the run ledger of
+    ``run_dir`` (default: the folder that holds ``path``, where a run's checkpoints live side by
+    side; ``run_core.RunLedger``), fsync'd, by rank 0."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from ..run_core import RunLedger
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        RunLedger(run_dir if run_dir is not None else Path(path).parent).record(engine, sampler, "checkpoint")
     model_state, optimizer_state = get_state_dict(engine.model, optimizer)
     blob = io.BytesIO()
     torch.save(engine.state_dict(sampler), blob)
@@ -38,21 +46,31 @@ def save(path, engine, optimizer, sampler=None) -> None:
                  checkpoint_id=str(path))
 
 
-def load(path, engine, optimizer, sampler=None, *, allow_rollback: bool = False) -> None:
+def load(path, engine, optimizer, sampler=None, *, fork: bool = False, run_dir=None) -> None:
     """Restore what ``save`` wrote into ``engine``'s model, ``optimizer`` and the engine (and
     ``sampler``), whatever the mesh and sharding of the run that saved it. Every rank calls
     it, after ``compile`` and after building the optimizer over ``engine.model``'s parameters.
-    ``allow_rollback``: see ``Engine.load_state_dict``."""
+
+    A checkpoint older than the newest step in the run ledger of ``run_dir`` (default: the
+    folder that holds ``path``) is refused, before anything is changed, unless ``fork=True``:
+    the fork's ε then covers every step in the ledger (``run_core.RunLedger``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from ..run_core import RunLedger
+
+    engine_only = {"engine": b""}  # first: a refused state must leave the model as it was (DCP loads in place)
+    with _one_process_is_meant():
+        dcp.load(engine_only, checkpoint_id=str(path))
+    engine_state = torch.load(io.BytesIO(engine_only["engine"]), weights_only=True)
+    elsewhere = RunLedger(run_dir if run_dir is not None else Path(path).parent).admit(
+        engine_state, fork=fork, fork_hint="pass fork=True", where=f"load_checkpoint({path})")
     model_state, optimizer_state = get_state_dict(engine.model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state, "engine": b""}
+    state = {"model": model_state, "optimizer": optimizer_state}
     with _one_process_is_meant():
         dcp.load(state, checkpoint_id=str(path))
     set_state_dict(engine.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    engine_state = torch.load(io.BytesIO(state["engine"]), weights_only=True)
-    engine.load_state_dict(engine_state, sampler, allow_rollback=allow_rollback)
+    engine.load_state_dict(engine_state, sampler, fork=fork, released_elsewhere=elsewhere)
 
 
 @contextlib.contextmanager

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import logging
+import os
 import warnings
 
 import torch
@@ -136,6 +138,9 @@ class Engine:
         if config is not None:
             self.accountant = PrivacyAccountant(config.accountant)
             self._noise = self._new_noise("noise")
+        # This engine's branch of its run, for the run ledger (run_core.RunLedger): a fresh id
+        # and the steps, from the branch's first, that a ledger has recorded as released.
+        self.ledger_branch = _new_branch(0)
 
     def _new_noise(self, purpose: str) -> NoiseGenerator:
         """A noise generator with a fresh key: 256 bits from the OS, or (tests only) derived from
@@ -582,7 +587,8 @@ class Engine:
             state["sampler"] = sampler.state_dict()
         return state
 
-    def load_state_dict(self, state: dict, sampler=None, *, allow_rollback: bool = False) -> None:
+    def load_state_dict(self, state: dict, sampler=None, *, fork: bool = False,
+                        released_elsewhere: list | None = None) -> None:
         """Restore a ``state_dict`` (and ``sampler``'s state, saved with it).
 
         The noise is never restored: every load gives the engine a fresh noise key (a collective
@@ -592,8 +598,11 @@ class Engine:
         is restored, so a resumed run samples as the uninterrupted one would.
 
         A state with fewer accounted steps than this engine has already taken is refused
-        unless ``allow_rollback=True``: loading it would forget privacy already spent (the
-        released steps stay released). A rollback draws fresh noise like any load."""
+        unless ``fork=True``: loading it would forget privacy already spent. A fork keeps it:
+        this engine's steps past the state stay accounted (``PrivacyAccountant.released_elsewhere``),
+        and the fork's redraws of them count as the same subsampled batches released twice.
+        ``released_elsewhere``: the run ledger's account of the other branches
+        (``run_core.RunLedger.admit``), which replaces the state's own and this engine's."""
         if state.get("config") != repr(self.config):
             raise ValueError(f"engine.load_state_dict: checkpoint DP config {state.get('config')} differs "
                              f"from this engine's {self.config!r}")
@@ -601,13 +610,23 @@ class Engine:
             raise ValueError("engine.load_state_dict: pass the sampler exactly when the state was saved with "
                              "one (engine.state_dict(sampler)); a resumed run must continue its sampling stream")
         saved_steps = sum(int(n) for _, _, n in state["accountant"]["history"])
-        if saved_steps < self.accountant.steps and not allow_rollback:
-            raise ValueError(f"engine.load_state_dict: the checkpoint has {saved_steps} accounted steps, this "
-                             f"engine already took {self.accountant.steps}; loading it would under-report ε. "
-                             "Pass allow_rollback=True only if the steps since were never released")
+        if saved_steps < self.accountant.steps and not fork:
+            raise ValueError(f"engine.load_state_dict: the state is at step {saved_steps}, this engine already took "
+                             f"step {self.accountant.steps}; loading it would under-report ε. Pass fork=True to "
+                             "continue from it with both branches accounted")
+        if released_elsewhere is None:
+            released_elsewhere = [tuple(e) for e in state["accountant"].get("released_elsewhere", ())]
+            if saved_steps < self.accountant.steps:  # this engine's own steps past the state: a second branch
+                same_stream = sampler is None or sampler.state_dict()["stream"]["key"] == \
+                    state["sampler"]["stream"]["key"]
+                released_elsewhere += [(step if same_stream else None, s, q) for step, (s, q) in enumerate(
+                    self.accountant.step_parameters(saved_steps + 1, self.accountant.steps), saved_steps + 1)]
+                released_elsewhere += self.accountant.released_elsewhere
         if sampler is not None:
             sampler.load_state_dict(state["sampler"])
         self.accountant.load_state_dict(state["accountant"])
+        self.accountant.released_elsewhere = released_elsewhere
+        self.ledger_branch = _new_branch(self.accountant.steps)
         self._noise = self._new_noise(f"noise after loading step {self.accountant.steps}")
         self.nonfinite_samples = int(state.get("nonfinite_samples", 0))
 
@@ -641,6 +660,16 @@ class Engine:
             lines.append(format_log(lowered.log))
             lines.append("  per-sample rules: " + ", ".join(f"{n}={r}" for n, r in lowered.rules.items()))
         return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _LedgerBranch:
+    id: str
+    recorded: int  # the last step of this branch a ledger holds (the loaded state's, at first)
+
+
+def _new_branch(steps: int) -> _LedgerBranch:
+    return _LedgerBranch(os.urandom(8).hex(), steps)
 
 
 def _check_no_forward_holds_a_module(model: nn.Module) -> None:

@@ -87,3 +87,36 @@ def test_train_never_loads_the_audit_library_nor_what_only_some_ranks_and_runs_n
             f"if m.startswith({later!r})}}))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
+def test_more_canaries_than_memory_holds_are_refused_in_one_line_before_anything_is_built(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """A billion canaries of 2048 tokens (terabytes) are refused before the corpus, the canaries
+    and the model, instead of the process being killed for memory; nothing is written."""
+    from longshield_fx.cli import audit
+
+    def built(*_):
+        raise AssertionError("the corpus was loaded before the canary count was refused")
+
+    monkeypatch.setattr(audit, "_load_corpus", built)
+    out = tmp_path / "big"
+    code, _, err = _main(["audit", *JOB, "-T", 2048, "--canaries", 1000000000, "--out", out], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--canaries 1000000000" in err and " bytes" in err and "available" in err, err
+    assert "use a smaller --canaries" in err, err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_the_canary_memory_estimate_accepts_the_default_count():
+    from longshield_fx.cli import audit
+
+    gib = 2 ** 30
+    for kind in ("white", "black"):
+        audit._check_canary_memory(1000, kind, 2048, available=gib)  # the default m, a long T: tens of MiB
+        audit._check_canary_memory(1000, kind, 2048)  # and on this machine
+    # At least the rows themselves: ~m/2 included canaries of int64 ids and labels (white), the
+    # (m, T) int64 sequences and their included rows (black).
+    assert audit._canary_bytes(1000, "white", 2048) >= 500 * 2048 * 16
+    assert audit._canary_bytes(1000, "black", 2048) >= 1000 * 2048 * 8 + 500 * 2048 * 16
+    with pytest.raises(cli.CLIError, match=r"--canaries 1000000: .* use a smaller --canaries \(at most [\d,]+ here\)"):
+        audit._check_canary_memory(10 ** 6, "black", 2048, available=gib)

@@ -232,7 +232,8 @@ def test_hf_config_of_any_architecture_on_a_jsonl_of_people(world, tmp_path):
 PUBLIC = {
     "privacy.json": {"epsilon", "delta", "delta_rule", "accountant", "privacy_unit", "mechanism", "sample_rate",
                      "sample_rate_source", "noise_multiplier", "steps", "max_grad_norm", "clipping",
-                     "trained_parameters", "lora", "privacy_void", "insecure_seed", "not_covered", "library"},
+                     "trained_parameters", "lora", "privacy_void", "insecure_seed", "release", "fork", "not_covered",
+                     "library"},
     "summary.json": {"steps", "resumed_from", "privacy_unit", "epsilon", "delta", "delta_rule", "accountant",
                      "target_epsilon", "sigma", "sample_rate", "sample_rate_source", "expected_batch_size",
                      "max_grad_norm", "insecure_seed", "privacy_void", "init_seed", "seq_len", "max_files",
@@ -298,7 +299,7 @@ def test_a_chosen_sample_rate_is_public_and_the_expected_batch_size_is_not(tmp_p
     summary = json.loads((run / "summary.json").read_text())
     privacy = json.loads((run / "privacy.json").read_text())
     assert summary["sample_rate"] == privacy["sample_rate"] == 0.3
-    assert privacy["sample_rate_source"] == summary["sample_rate_source"] == "chosen (--sample-rate): public"
+    assert privacy["sample_rate_source"] == summary["sample_rate_source"] == "chosen: public"
     assert "expected_batch_size" not in summary and summary["not_covered_by_dp"]["expected_batch_size"] == 3.0
 
 

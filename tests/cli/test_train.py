@@ -31,7 +31,8 @@ from cli_runs import (FAST, SHORT, assert_bit_identical, env, load_state, metric
 from longshield_fx import cli
 from oracles import log_excerpt
 from longshield_fx.cli.checkpoints import atomic_save, list_checkpoints
-from longshield_fx.cli.corpus import DELTA_RULE, default_delta, stdlib_corpus, stdlib_files
+from longshield_fx.cli.corpus import stdlib_corpus, stdlib_files
+from longshield_fx.run_core import DELTA_RULE, default_delta
 
 
 # --- train ----------------------------------------------------------------------------------
@@ -85,22 +86,37 @@ sys.exit(main(sys.argv[2:]))
 
 
 @pytest.mark.slow
-def test_sigkill_while_saving_then_resume_skips_temp_and_damaged_files_and_is_bit_identical(short_run, tmp_path):
-    """The short run's copy is cut back to its step-10 checkpoint; resuming it is SIGKILLed while
-    writing the step-12 checkpoint (steps 11-12 done, metrics written, a half temp file left);
-    a damaged file under a complete name (ckpt-00000012.pt) is planted; resuming again redoes
-    steps 11-12 from the step-10 model on the same batches (the checkpoint holds the secret
-    sampling stream): step 11's loss is the uninterrupted run's, ε is the same, and the final
-    model differs on most coordinates, because a resumed engine never reuses the noise key."""
+def test_a_run_cut_back_to_an_older_checkpoint_resumes_only_as_a_fork_whose_epsilon_counts_every_branch(
+        short_run, tmp_path):
+    """The short run's copy is cut back to its step-10 checkpoint (the newer one deleted, as an
+    attacker or a careless user would): --resume is refused in one line naming step 12, which the
+    run ledger holds, and nothing changes. With --fork the resumed run is SIGKILLed while writing
+    the step-12 checkpoint (steps 11-12 done and recorded, a half temp file left); a damaged file
+    under a complete name (ckpt-00000012.pt) is planted; forking again redoes steps 11-12 from the
+    step-10 model on the same batches (the checkpoint holds the secret sampling stream): step 11's
+    loss is the uninterrupted run's, the final model differs (a resumed engine never reuses the
+    noise key), and ε counts steps 11 and 12 as the same subsampled batches released three times
+    (σ/√3), equal to dp-accounting's own PLD accountant over that history."""
+    import dp_accounting
+
     run, _ = short_run
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     ckpts = copy / "checkpoints"
     (ckpts / "ckpt-00000012.pt").unlink()
     (copy / "final_model.pt").unlink()
+    ledger = (copy / "privacy_ledger.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in ledger.splitlines()] == list(range(1, 13))
 
-    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_SAVING, "12", *map(str, SHORT), "--resume", copy],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env(), check=False)
+    refused = run_in_process([*SHORT, "--resume", copy], tmp_path)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "records step 12, released" in refused.stderr and "at step 10" in refused.stderr
+    assert "--fork" in refused.stderr and (copy / "privacy_ledger.jsonl").read_text() == ledger
+    assert len(metric_rows(copy)) == 12 and not (copy / "final_model.pt").exists()
+
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_SAVING, "12", *map(str, SHORT), "--resume", copy,
+                             "--fork"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env(),
+                            check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "ckpt-00000010.pt at step 10/12" in killed.stdout
     assert [r["step"] for r in metric_rows(copy)] == list(range(1, 13))  # rows 11, 12 written before the kill
@@ -109,7 +125,7 @@ def test_sigkill_while_saving_then_resume_skips_temp_and_damaged_files_and_is_bi
     # A damaged file under a complete name is skipped for an older one.
     (ckpts / "ckpt-00000012.pt").write_bytes((ckpts / "ckpt-00000010.pt").read_bytes()[:1000])
 
-    res = run_in_process([*SHORT, "--resume", copy], tmp_path)
+    res = run_in_process([*SHORT, "--resume", copy, "--fork"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "ckpt-00000010.pt at step 10/12" in res.stdout
     assert "skipped unreadable checkpoint(s) ckpt-00000012.pt" in res.stdout + res.stderr
@@ -124,9 +140,34 @@ def test_sigkill_while_saving_then_resume_skips_temp_and_damaged_files_and_is_bi
 
     # The killed run's rows 11, 12 were dropped and redone: step 11 from the same model and batch.
     assert losses(before)[:11] == losses(after)[:11] and len(after) == 12
-    # PLD composes the resumed history (10 steps at once, then 1) in another grouping than the
-    # uninterrupted run (1 at a time): the same ε up to PLD's discretisation rounding.
-    assert [r["epsilon"] for r in after] == pytest.approx([r["epsilon"] for r in before], rel=1e-8)
+    assert [r["epsilon"] for r in after[:10]] == pytest.approx([r["epsilon"] for r in before[:10]], rel=1e-8)
+    summary = json.loads((copy / "summary.json").read_text())
+    sigma, q, delta = summary["sigma"], summary["sample_rate"], summary["delta"]
+    accountant = dp_accounting.pld.PLDAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), 10)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma / 3 ** 0.5)), 2)
+    assert after[-1]["epsilon"] == summary["epsilon"] == pytest.approx(accountant.get_epsilon(delta), rel=1e-6)
+    assert summary["epsilon"] > before[-1]["epsilon"]
+    privacy = json.loads((copy / "privacy.json").read_text())
+    assert privacy["epsilon"] == summary["epsilon"] and privacy["fork"]["steps_released_by_other_branches"] == 4
+    assert privacy["release"] == "final"
+
+
+def test_the_same_command_after_its_newer_checkpoints_were_lost_is_refused_unless_forked(short_run, tmp_path):
+    """The same command continued in its --out (no --resume) meets the ledger too; a new run in an
+    --out whose ledger holds another run's steps, with no checkpoint left, is refused as well."""
+    run, _ = short_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "checkpoints" / "ckpt-00000012.pt").unlink()
+    same = run_in_process([*SHORT, "--out", copy], tmp_path)
+    assert same.returncode == 2 and "records step 12, released" in same.stderr, same.stderr
+    for ckpt in (copy / "checkpoints").iterdir():
+        ckpt.unlink()
+    for name in ("summary.json", "final_model.pt", "metrics.jsonl", "privacy.json", "signature.json"):
+        (copy / name).unlink()
+    over = run_in_process([*SHORT, "--out", copy], tmp_path)
+    assert over.returncode == 2 and "there is no checkpoint to continue from" in over.stderr, over.stderr
 
 
 @pytest.mark.parametrize("change, named", [

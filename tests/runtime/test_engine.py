@@ -123,7 +123,7 @@ def test_checkpoint_resume_continues_the_run_with_fresh_noise(tmp_path, sigma):
     assert engine_c.accountant.steps == 6
 
 
-def test_loading_an_older_state_is_refused_unless_asked():
+def test_loading_an_older_state_is_refused_unless_forked_and_a_fork_keeps_the_later_step_accounted():
     model = MLP()
     engine = lf.compile(model, config=lf.DPConfig(1.0, 0.5))
     engine.accumulate(*mlp_batch())
@@ -132,11 +132,26 @@ def test_loading_an_older_state_is_refused_unless_asked():
     engine.accumulate(*mlp_batch())
     engine.finalize(logical(4, 4.0, sample_rate=0.1))
     eps = engine.epsilon(1e-5)
-    with pytest.raises(ValueError, match="1 accounted steps, this engine already took 2"):
+    with pytest.raises(ValueError, match="the state is at step 1, this engine already took step 2"):
         engine.load_state_dict(old)
     assert engine.epsilon(1e-5) == eps  # nothing changed
-    engine.load_state_dict(old, allow_rollback=True)
+    engine.load_state_dict(old, fork=True)
     assert engine.accountant.steps == 1
+    assert engine.epsilon(1e-5) == eps  # step 2 was released: the fork still counts it
+    engine.accumulate(*mlp_batch())
+    engine.finalize(logical(4, 4.0, sample_rate=0.1))  # step 2 again: the same batch released twice
+    assert engine.epsilon(1e-5) == pytest.approx(_composed([(0.5, 0.1), (0.5 / 2 ** 0.5, 0.1)]), rel=1e-9)
+    assert engine.epsilon(1e-5) > epsilon_for(0.5, 0.1, 3, 1e-5)  # more than three independent draws
+
+
+def _composed(steps):
+    """ε at δ = 1e-5 of Poisson-sampled Gaussian steps [(σ, q)], by dp-accounting's own PLD accountant."""
+    import dp_accounting
+
+    accountant = dp_accounting.pld.PLDAccountant()
+    for sigma, q in steps:
+        accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)))
+    return accountant.get_epsilon(1e-5)
 
 
 def test_one_checkpoint_continued_twice_on_neighbouring_data_draws_fresh_noise_each_time():
@@ -170,7 +185,7 @@ def test_one_checkpoint_continued_twice_on_neighbouring_data_draws_fresh_noise_e
     d = difference.numel()
     assert float((difference - clipped_sample).norm()) > 0.5 * math.sqrt(2 * d) * sigma * C / E
     after_save = continued(saver, torch.ones(4))
-    saver.load_state_dict(state, allow_rollback=True)
+    saver.load_state_dict(state, fork=True)
     rolled_back = continued(saver, torch.ones(4))
     assert float((after_save - rolled_back).norm()) > 0.5 * math.sqrt(2 * d) * sigma * C / E
 
