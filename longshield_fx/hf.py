@@ -34,7 +34,6 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -43,15 +42,14 @@ from torch.utils.data import DataLoader
 
 import longshield_fx as lf
 
-from .run_core import default_delta
+from .run_core import (RollbackRefused, RunLedger, calibrated_sigma, default_delta, privacy_record,
+                       write_privacy_record)
 from .data import LogicalBatch, PoissonBatches
 from .losses import CausalLMLoss, PackedCausalLMLoss
 from .packing import PackedPoissonBatches, unit_slots_for
-from .runtime.calibration import calibrate_noise_on_rank_0
 
 __all__ = ["DPTrainer", "DPTrainerMixin", "DPSFTTrainer", "PrivacyArguments"]
 
-PRIVACY_FILE = "privacy.json"
 ENGINE_FOLDER = "longshield"  # in each checkpoint-N folder: model, optimizer, accountant, sampler (SECRET)
 
 
@@ -80,6 +78,10 @@ class PrivacyArguments:
         world size is data parallel ("dp").
     fsdp: mesh dims to shard model and optimizer states over (ZeRO-3 in the graph), e.g.
         ``("dp", "cp")``; None: every rank holds everything.
+    fork: continue from a checkpoint older than the newest step in the run ledger of
+        ``output_dir`` (or start a new run in an ``output_dir`` whose ledger holds steps), which is
+        otherwise refused: ε then covers every step in the ledger, both branches
+        (``longshield_fx.run_core.RunLedger``), and privacy.json says the run is a fork.
     insecure_seed: TESTS ONLY (noise and sampling from a public seed: no privacy).
     """
 
@@ -95,6 +97,7 @@ class PrivacyArguments:
     accountant: str = "pld"
     cp: int = 1
     fsdp: tuple[str, ...] | None = None
+    fork: bool = False
     insecure_seed: int | None = None
 
     def __post_init__(self):
@@ -261,7 +264,30 @@ class DPTrainerMixin:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._resuming = resume_from_checkpoint not in (None, False)
+        if self._resuming and self.engine is None:
+            self._check_ledger(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _check_ledger(self, checkpoint) -> None:
+        """Before anything is loaded: a checkpoint older than the run ledger's newest step (in
+        ``output_dir``, or beside the checkpoint) is refused unless ``PrivacyArguments.fork``."""
+        if checkpoint is True:
+            checkpoint = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+            if checkpoint is None:
+                return  # the Trainer says there is none
+        state = Path(checkpoint) / transformers.trainer.TRAINER_STATE_NAME
+        try:
+            step = int(json.loads(state.read_text())["global_step"])
+        except (OSError, ValueError, KeyError):
+            return  # not a Trainer checkpoint: the load says so
+        ledger = RunLedger(self.args.output_dir, Path(checkpoint).parent)
+        newest = ledger.newest()
+        if step < newest and not self.privacy.fork:
+            raise RollbackRefused(
+                f"DPTrainer: the run ledger {ledger.paths[0]} records step {newest}, released, and {checkpoint} is "
+                f"at step {step}: continuing from it would redraw released steps with fresh noise and under-report "
+                "ε. Resume from the newest checkpoint, or pass PrivacyArguments(fork=True) to fork (ε then covers "
+                "every step in the ledger, both branches)")
 
     def num_examples(self, dataloader) -> int:
         if isinstance(getattr(dataloader, "dataset", None), range):  # the training placeholders
@@ -318,7 +344,11 @@ class DPTrainerMixin:
         steps = self.args.max_steps if self.args.max_steps > 0 else \
             math.ceil(self.args.num_train_epochs * len(self._sampler))
         sigma = p.noise_multiplier if p.noise_multiplier is not None else \
-            calibrate_noise_on_rank_0(p.target_epsilon, self._delta, q, steps, method=p.accountant)
+            calibrated_sigma(p.target_epsilon, self._delta, q, steps, p.accountant)
+        self._ledger = RunLedger(self.args.output_dir)
+        if not self._resuming:  # a new run: a ledger already here holds another run's released steps
+            fresh_start = self._ledger.admit(None, fork=p.fork, fork_hint="pass PrivacyArguments(fork=True)",
+                                             where=f"DPTrainer (output_dir {self.args.output_dir})")
         config = lf.DPConfig(p.max_grad_norm, sigma, clipping=p.clipping, accountant=p.accountant,
                              insecure_seed=p.insecure_seed,
                              compute_dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
@@ -328,6 +358,8 @@ class DPTrainerMixin:
         loss = PackedCausalLMLoss(self.model) if p.pack_seq_len else CausalLMLoss(self.model)
         self.engine = lf.compile(loss, mesh, config=config, checkpoint=self._checkpoint, fsdp=p.fsdp,
                                  packed_units=self._sampler.unit_slots if p.pack_seq_len else 0)
+        if not self._resuming:
+            self.engine.accountant.released_elsewhere = fresh_start
 
     def _document(self, i: int) -> list[int]:
         """Row ``i``'s token ids, one document for packing (which trains every token: labels = ids)."""
@@ -474,6 +506,7 @@ class DPTrainerMixin:
         too) every training value that comes from the private rows without noise to ``<key>_not_dp``:
         losses, timings, sample and token counts. Evaluation values (``eval_*``) are on held-out data."""
         if self.engine is not None:
+            self._record("log")  # grad_norm is the released gradient's, eval_* the model's
             for key in [k for k in logs if k not in _COVERED and not k.startswith(("eval_", "test_"))]:
                 logs[f"{key}_not_dp"] = logs.pop(key)
             logs["epsilon"] = self.engine.epsilon(self._delta)
@@ -486,10 +519,12 @@ class DPTrainerMixin:
             super().save_model(output_dir, _internal_call)
 
     def evaluate(self, *args, **kwargs):
+        self._record("evaluation")
         with self._whole_parameters():
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
+        self._record("prediction")
         with self._whole_parameters():
             return super().predict(*args, **kwargs)
 
@@ -500,32 +535,38 @@ class DPTrainerMixin:
             return contextlib.nullcontext()
         return self.engine.sharding.whole_parameters(self.engine.model)
 
+    def _record(self, why: str) -> None:
+        """The steps taken since the last record go into the run ledger (main process), before
+        anything derived from them leaves."""
+        if self.engine is not None and self.is_world_process_zero():
+            self._ledger.record(self.engine, self._sampler, why)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        self._record("model saved")
         super()._save(output_dir, state_dict)
         if self.engine is not None and self.args.should_save:
             folder = Path(output_dir if output_dir is not None else self.args.output_dir)
-            (folder / PRIVACY_FILE).write_text(json.dumps(self.privacy_record(), indent=1) + "\n")
+            final = not folder.name.startswith(transformers.trainer_utils.PREFIX_CHECKPOINT_DIR)
+            write_privacy_record(folder, self.privacy_record(final=final))
 
-    def privacy_record(self) -> dict:
-        """privacy.json: the guarantee of the model as trained so far."""
-        config = self.engine.config
-        return {
-            "epsilon": self.engine.epsilon(self._delta), "delta": self._delta,
-            "accountant": f"{config.accountant.upper()} (dp-accounting)",
-            "privacy_unit": (f"all rows with one value of {self.privacy.unit_column!r} (add/remove one unit)"
-                             if self.privacy.unit_column else "one training row (add/remove one row)"),
-            "mechanism": "DP-SGD: Poisson sampling of rows, per-row gradient clipping, Gaussian noise",
-            "sample_rate": self._sampler.sample_rate, "noise_multiplier": config.noise_multiplier,
-            "steps": self.engine.accountant.steps, "max_grad_norm": config.max_grad_norm,
-            "clipping": config.clipping, "privacy_arguments": asdict(self.privacy),
-            "privacy_void": self.privacy.insecure_seed is not None,
-            "not_covered": "training losses (loss_not_dp) come from the data without noise; evaluation data is "
-                           "never trained on and is not protected by ε",
-            "library": f"longshield_fx {version('longshield_fx')}",
-        }
+    def privacy_record(self, final: bool = True) -> dict:
+        """privacy.json: the guarantee of the model as trained so far (``run_core.privacy_record``);
+        ``final=False``: a checkpoint's copy, which says it is not the final release."""
+        p = self.privacy
+        unit = (f"all rows with one value of {p.unit_column!r} (add/remove one unit)" if p.unit_column
+                else "one training row (add/remove one row)")
+        return privacy_record(
+            self.engine, delta=self._delta, delta_given=p.delta is not None, unit=unit,
+            sample_rate=self._sampler.sample_rate, sample_rate_chosen=p.sample_rate is not None, model=self.model,
+            insecure_seed=p.insecure_seed, final=final,
+            not_covered="training losses (loss_not_dp) come from the data without noise; evaluation data is never "
+                        "trained on and is not protected by ε",
+            privacy_arguments=asdict(p))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        lf.save_checkpoint(Path(output_dir) / ENGINE_FOLDER, self.engine, _inner(self.optimizer), self._sampler)
+        self._record("checkpoint")
+        lf.save_checkpoint(Path(output_dir) / ENGINE_FOLDER, self.engine, _inner(self.optimizer), self._sampler,
+                           run_dir=self.args.output_dir)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
 
@@ -537,7 +578,13 @@ class DPTrainerMixin:
             raise ValueError(f"DPTrainer: {checkpoint} has no {ENGINE_FOLDER}/ folder (a DPTrainer checkpoint holds "
                              "the accountant and the sampler; save_only_model=True leaves them out); resume from a "
                              "checkpoint folder a DPTrainer wrote with save_only_model=False")
-        lf.load_checkpoint(folder, self.engine, _inner(self.optimizer), self._sampler)
+        self._ledger = RunLedger(self.args.output_dir, Path(checkpoint).parent)
+        self._ledger.sync()  # load_checkpoint reads output_dir's ledger: it holds both folders' steps
+        try:
+            lf.load_checkpoint(folder, self.engine, _inner(self.optimizer), self._sampler, fork=self.privacy.fork,
+                               run_dir=self.args.output_dir)
+        except RollbackRefused as e:
+            raise RollbackRefused(f"DPTrainer: {e} (PrivacyArguments(fork=True))") from None
         self._draws = None
         scheduler = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -618,7 +665,11 @@ def _units(dataset, column: str) -> list[list[int]]:
                              f"({type(key).__name__}); the values of PrivacyArguments.unit_column={column!r} "
                              "name privacy units and must be strings or integers: give the row its unit's id "
                              "or drop it")
-        groups.setdefault(canonical_unit_id(key), []).append(i)
+        name = canonical_unit_id(key)
+        if not name:
+            raise ValueError(f"DPTrainer: row {i} of the training set has an empty {column}={key!r} (blank once "
+                             f"whitespace and invisible characters are removed); give the row its unit's id")
+        groups.setdefault(name, []).append(i)
     return list(groups.values())
 
 

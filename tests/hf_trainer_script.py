@@ -89,7 +89,8 @@ atexit.register(gloo_threads, "exit")
 
 TORCHRUN = (GLOO_THREADS
             + "MODEL_DIR, DATA, OUT, SEED = os.environ['MODEL_DIR'], os.environ['DATA'], os.environ['OUT'], 7\n"
-            + NOISELESS.replace("insecure_seed=SEED)", "insecure_seed=SEED, cp=2, fsdp=os.environ['FSDP'].split(','))")
+            + NOISELESS.replace("insecure_seed=SEED)", "insecure_seed=SEED, cp=2, fsdp=os.environ['FSDP'].split(','), "
+                                "fork='RESUME' in os.environ)")
             .replace("trainer.train()", "trainer.train(resume_from_checkpoint=os.environ.get('RESUME'))")
             + 'gloo_threads("end")\n')
 

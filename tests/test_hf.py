@@ -116,25 +116,58 @@ def test_resuming_a_checkpoint_folder_continues_the_run(folders, noiseless_run, 
     whole = noiseless_run
     checkpoint = root / "noiseless" / "checkpoint-3"
     assert (checkpoint / "longshield").is_dir() and (checkpoint / "privacy.json").is_file()
-    resumed_script = private.replace("trainer.train()", f"trainer.train(resume_from_checkpoint={str(checkpoint)!r})")
+    resumed_script = private.replace("trainer.train()", f"trainer.train(resume_from_checkpoint={str(checkpoint)!r})") \
+        .replace("insecure_seed=SEED)", "insecure_seed=SEED, fork=True)")  # the run went on to step 6
     resumed = run(resumed_script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "resumed"), SEED=SEED)["trainer"]
     assert resumed.state.global_step == 6 and resumed.engine.accountant.steps == whole.engine.accountant.steps == 6
     for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-def test_a_resumed_run_draws_fresh_noise(folders, dp_run, tmp_path):
-    """σ = 1: resumed from the DP run's checkpoint-3, the same sampled batches and accounted steps,
-    but other noise: its model differs from the uninterrupted run's (the engine never restores a
-    noise stream, tests/runtime/test_engine.py; here through the Trainer's checkpoint folder)."""
+def test_resuming_an_older_checkpoint_is_refused_unless_forked_and_a_fork_draws_fresh_noise(folders, dp_run,
+                                                                                             tmp_path):
+    """σ = 1: the DP run went on to step 6, so its checkpoint-3 is refused (the run ledger in its
+    output_dir holds steps 1-6) in one line naming step 6 and the way out. Forked, the resumed run
+    draws the same batches and accounts the same branch, with other noise: its model differs from
+    the uninterrupted run's, and its ε covers both branches, steps 4-6 as the same subsampled batches
+    released twice (σ/√2), equal to dp-accounting's own PLD accountant over that history."""
+    import dp_accounting
+
+    from longshield_fx.run_core import RollbackRefused
+
     root, model_dir, data = folders
     script = PRIVATE.replace('eval_strategy="steps"', 'eval_strategy="no"').replace(
         "trainer.train()", f"trainer.train(resume_from_checkpoint={str(root / 'dp' / 'checkpoint-3')!r})")
-    resumed = run(script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path), SEED=SEED)["trainer"]
+    with pytest.raises(RollbackRefused, match=r"records step 6, released, and .*checkpoint-3 is at step 3.*fork=True"):
+        run(script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "refused"), SEED=SEED)
+    assert not (tmp_path / "refused" / "checkpoint-6").exists()
+    forked = script.replace("insecure_seed=SEED)", "insecure_seed=SEED, fork=True)")
+    resumed = run(forked, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "fork"), SEED=SEED)["trainer"]
     whole = dp_run["trainer"]
     assert resumed.engine.accountant.history == whole.engine.accountant.history
     assert resumed._sampler.state_dict()["step"] == whole._sampler.state_dict()["step"] == 6
     assert not torch.equal(resumed.model.lm_head.weight, whole.model.lm_head.weight)
+    q, delta = resumed._sampler.sample_rate, resumed.privacy_record()["delta"]
+    accountant = dp_accounting.pld.PLDAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.0)), 3)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(2 ** -0.5)), 3)
+    assert resumed.engine.epsilon(delta) == pytest.approx(accountant.get_epsilon(delta), rel=1e-6)
+    record = json.loads((tmp_path / "fork" / "final" / "privacy.json").read_text())
+    assert record["fork"]["steps_released_by_other_branches"] == 3 and record["release"] == "final"
+    assert record["epsilon"] == resumed.engine.epsilon(delta) > whole.engine.epsilon(delta)
+    copy = json.loads((tmp_path / "fork" / "checkpoint-6" / "privacy.json").read_text())
+    assert copy["release"].startswith("a checkpoint's copy") and "NOT the run's final release" in copy["release"]
+
+
+def test_the_trainers_privacy_json_has_the_clis_fields_and_labels(dp_run, folders):
+    from longshield_fx.run_core import SAMPLE_RATE_DERIVED
+
+    record = json.loads((folders[0] / "dp" / "final" / "privacy.json").read_text())
+    assert {"epsilon", "delta", "delta_rule", "accountant", "privacy_unit", "mechanism", "sample_rate",
+            "sample_rate_source", "noise_multiplier", "steps", "max_grad_norm", "clipping", "trained_parameters",
+            "privacy_void", "insecure_seed", "release", "fork", "not_covered", "library"} <= set(record)
+    assert record["sample_rate_source"] == SAMPLE_RATE_DERIVED and record["release"] == "final"
+    assert "privacy_arguments" in record and record["fork"] is None
 
 
 def test_a_lora_model_trains_only_its_adapters_and_saves_a_peft_folder(folders, tmp_path):
