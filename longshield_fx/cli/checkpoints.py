@@ -33,9 +33,10 @@ def _fsync_dir(path: Path):
         os.close(fd)
 
 
-def atomic_save(obj, path: Path):
+def atomic_save(obj, path: Path, before_replace=None):
     """torch.save to a temp file in the same folder, fsync, then os.replace: a reader sees the
-    old file or the complete new one, never a partial one (the temp name never matches ckpt-*.pt)."""
+    old file or the complete new one, never a partial one (the temp name never matches ckpt-*.pt).
+    ``before_replace`` is called once the temp file is whole, before it takes its name."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -43,6 +44,8 @@ def atomic_save(obj, path: Path):
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

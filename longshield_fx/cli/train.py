@@ -218,9 +218,6 @@ def train(args) -> int:
     job = Job(args, time.time())
     _check_args(job)
     _claim_run_dir(job)
-    from ..run_core import RunLedger
-
-    job.ledger = RunLedger(job.run_dir, job.resumed_run)
     job.mesh, job.dp, job.dp_rank = setup_distributed(args.cp, args.device, "train")
     job.fsdp = _fsdp_dims(args.fsdp, job.mesh)
     _load_corpus(job)
@@ -236,6 +233,9 @@ def train(args) -> int:
     _compile(job)
     if state is not None:
         _restore(job, state)
+    elif getattr(args, "fork", False):  # starting over in a folder whose ledger holds released steps
+        job.engine.accountant.released_elsewhere = job.ledger.admit(None, fork=True, fork_hint="add --fork",
+                                                                    where="train")
     _open_run_dir(job)
     _announce(job)
     try:
@@ -328,6 +328,9 @@ def _check_args(job: Job) -> None:
         job.resumed_run, job.ckpt_folder = resolve_resume(args.resume)
         job.run_dir = job.run_dir or job.resumed_run
     job.run_dir = job.run_dir or Path("runs/train")
+    from ..run_core import RunLedger
+
+    job.ledger = RunLedger(job.run_dir, job.resumed_run)
 
 
 def _fsdp_dims(text: str | None, mesh) -> tuple[str, ...] | None:
@@ -412,13 +415,12 @@ def _decide_sigma(job: Job) -> dict | None:
     else:
         sigma = _calibrated_sigma(job)
     job.sigma, job.signature = sigma, make_signature(job, sigma)
+    if job.restart_if_same and _read_signature(job.run_dir) != job.signature:
+        raise CLIError(f"--out {job.run_dir} already holds {'another run' if _read_signature(job.run_dir) else 'a run'}'s "
+                       f"outputs ({', '.join(job.restart_if_same)}) and no checkpoint to continue from; nothing was "
+                       "changed: pass a new --out")
     _check_ledger(job, state)
     if job.restart_if_same:
-        before = _read_signature(job.run_dir)
-        if before != job.signature:
-            raise CLIError(f"--out {job.run_dir} already holds {'another run' if before else 'a run'}'s outputs "
-                           f"({', '.join(job.restart_if_same)}) and no checkpoint to continue from; nothing was "
-                           "changed: pass a new --out")
         say(f"{job.run_dir} holds this run, stopped before its first checkpoint: starting it over")
     return state
 
@@ -427,7 +429,7 @@ def _check_ledger(job: Job, state: dict | None) -> None:
     """Refuse, before anything is built or written, to continue from a step older than the run
     ledger's newest (or to start over in a folder whose ledger holds steps) unless --fork."""
     newest, at = job.ledger.newest(), (state or {}).get("step", 0)
-    if at < newest and not job.args.fork:
+    if at < newest and not getattr(job.args, "fork", False):  # audit: no --fork, it resumes nothing
         raise CLIError(f"the run ledger {job.ledger.paths[0]} records step {newest}, released, but "
                        + (f"the newest complete checkpoint is {job.resumed_from.name} at step {at}" if state else
                           "there is no checkpoint to continue from")
@@ -643,7 +645,6 @@ def save_checkpoint(job: Job, step: int) -> None:
                 "sampler": job.batches.state_dict(), "engine": job.engine.state_dict()}
     if not job.rank0:
         return
-    job.ledger.record(job.engine, job.batches, "checkpoint")
     state = {  # SECRET: the sampler's state holds the sampling key
         "format": CHECKPOINT_FORMAT, "complete": True, "step": step, "signature": job.signature,
         "args": saved_flags(job.args),
@@ -651,7 +652,10 @@ def save_checkpoint(job: Job, step: int) -> None:
         "cuda_rng": torch.cuda.get_rng_state() if job.device.type == "cuda" else None,
         "tokens": job.tokens_seen, "elapsed_s": job.elapsed_before + (time.time() - job.t_loop),
     }
-    atomic_save(state, folder / f"ckpt-{step:08d}.pt")
+    # Into the ledger once the file is whole and before it takes its name: a save cut by a kill is
+    # a temp file no load reads, and a restart redraws its steps freely.
+    atomic_save(state, folder / f"ckpt-{step:08d}.pt",
+                before_replace=lambda: job.ledger.record(job.engine, job.batches, "checkpoint"))
     for _, old in list_checkpoints(folder)[job.args.keep_checkpoints:]:
         old.unlink(missing_ok=True)
         shutil.rmtree(old.with_suffix(".dcp"), ignore_errors=True)

@@ -91,12 +91,13 @@ def test_a_run_cut_back_to_an_older_checkpoint_resumes_only_as_a_fork_whose_epsi
     """The short run's copy is cut back to its step-10 checkpoint (the newer one deleted, as an
     attacker or a careless user would): --resume is refused in one line naming step 12, which the
     run ledger holds, and nothing changes. With --fork the resumed run is SIGKILLed while writing
-    the step-12 checkpoint (steps 11-12 done and recorded, a half temp file left); a damaged file
+    the step-12 checkpoint (steps 11-12 done, a half temp file left: a save cut before the file was
+    whole, so its steps were never saved and the ledger does not hold them); a damaged file
     under a complete name (ckpt-00000012.pt) is planted; forking again redoes steps 11-12 from the
     step-10 model on the same batches (the checkpoint holds the secret sampling stream): step 11's
     loss is the uninterrupted run's, the final model differs (a resumed engine never reuses the
-    noise key), and ε counts steps 11 and 12 as the same subsampled batches released three times
-    (σ/√3), equal to dp-accounting's own PLD accountant over that history."""
+    noise key), and ε counts steps 11 and 12 as the same subsampled batches released twice (σ/√2),
+    equal to dp-accounting's own PLD accountant over that history."""
     import dp_accounting
 
     run, _ = short_run
@@ -122,6 +123,7 @@ def test_a_run_cut_back_to_an_older_checkpoint_resumes_only_as_a_fork_whose_epsi
     assert [r["step"] for r in metric_rows(copy)] == list(range(1, 13))  # rows 11, 12 written before the kill
     temp = [p.name for p in ckpts.iterdir() if p.name.startswith(".ckpt-00000012.pt.tmp-")]
     assert len(temp) == 1 and not (copy / "final_model.pt").exists()
+    assert (copy / "privacy_ledger.jsonl").read_text() == ledger
     # A damaged file under a complete name is skipped for an older one.
     (ckpts / "ckpt-00000012.pt").write_bytes((ckpts / "ckpt-00000010.pt").read_bytes()[:1000])
 
@@ -145,11 +147,11 @@ def test_a_run_cut_back_to_an_older_checkpoint_resumes_only_as_a_fork_whose_epsi
     sigma, q, delta = summary["sigma"], summary["sample_rate"], summary["delta"]
     accountant = dp_accounting.pld.PLDAccountant()
     accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), 10)
-    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma / 3 ** 0.5)), 2)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma / 2 ** 0.5)), 2)
     assert after[-1]["epsilon"] == summary["epsilon"] == pytest.approx(accountant.get_epsilon(delta), rel=1e-6)
     assert summary["epsilon"] > before[-1]["epsilon"]
     privacy = json.loads((copy / "privacy.json").read_text())
-    assert privacy["epsilon"] == summary["epsilon"] and privacy["fork"]["steps_released_by_other_branches"] == 4
+    assert privacy["epsilon"] == summary["epsilon"] and privacy["fork"]["steps_released_by_other_branches"] == 2
     assert privacy["release"] == "final"
 
 
@@ -362,9 +364,13 @@ def test_checkpoints_hold_the_secret_sampling_stream_and_never_the_noise_key(sho
 
 
 def _cut_back_to_step_10(run, copy):
+    """The short run as it was when it stopped after its step-10 checkpoint: steps 11-12, never
+    saved or released, are not in its ledger either."""
     shutil.copytree(run, copy)
     (copy / "checkpoints" / "ckpt-00000012.pt").unlink()
     (copy / "final_model.pt").unlink()
+    ledger = copy / "privacy_ledger.jsonl"
+    ledger.write_text("".join(line + "\n" for line in ledger.read_text().splitlines() if json.loads(line)["step"] <= 10))
     return {p.name: p.read_bytes() for p in (copy / "checkpoints").iterdir()}
 
 
@@ -409,8 +415,14 @@ def test_an_out_holding_outputs_without_checkpoints_is_refused_unless_it_is_the_
     other = run_in_process([*job, "--lr", 0.01], tmp_path)
     assert other.returncode == 2 and "already holds another run's outputs" in other.stderr
     assert (tmp_path / "run" / "summary.json").read_bytes() == summary
-    again = run_in_process(job, tmp_path)  # the same run, which never wrote a checkpoint: it starts over
+    # The same run, which never wrote a checkpoint but released its model (step 1 is in the ledger):
+    # starting it over would release a second branch, so only a fork does.
+    again = run_in_process(job, tmp_path)
+    assert again.returncode == 2 and "records step 1, released" in again.stderr, again.stderr
+    assert (tmp_path / "run" / "summary.json").read_bytes() == summary
+    again = run_in_process([*job, "--fork"], tmp_path)
     assert again.returncode == 0 and "starting it over" in again.stdout
+    assert json.loads((tmp_path / "run" / "privacy.json").read_text())["fork"]["steps_released_by_other_branches"] == 1
 
 
 def test_an_interrupted_run_says_how_to_continue_it(tmp_path, monkeypatch):
@@ -578,7 +590,9 @@ def test_torchrun_restarts_a_run_whose_rank_died_from_its_newest_complete_checkp
     for step in (6, 8):
         (by_hand / "checkpoints" / f"ckpt-0000000{step}.pt").unlink()
     (by_hand / "final_model.pt").unlink()
-    resumed = run_cli("train", "--resume", "by_hand", "--cp", 2, cwd=tmp_path, launcher=torchrun + ["-m", "longshield_fx"])
+    # by hand, a copy cut back to step 4 whose ledger holds steps 1-8: a fork (ε counts both branches)
+    resumed = run_cli("train", "--resume", "by_hand", "--cp", 2, "--fork", cwd=tmp_path,
+                      launcher=torchrun + ["-m", "longshield_fx"])
     assert resumed.returncode == 0, log_excerpt(resumed.stderr)
     final, again = load_state(tmp_path / "run" / "final_model.pt"), load_state(by_hand / "final_model.pt")
     for name in final:
