@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader
 
 import longshield_fx as lf
 
-from .run_core import (RollbackRefused, RunLedger, calibrated_sigma, default_delta, privacy_record,
+from .run_core import (RunLedger, calibrated_sigma, default_delta, privacy_record,
                        write_privacy_record)
 from .data import LogicalBatch, PoissonBatches
 from .losses import CausalLMLoss, PackedCausalLMLoss
@@ -50,6 +50,7 @@ from .packing import PackedPoissonBatches, unit_slots_for
 
 __all__ = ["DPTrainer", "DPTrainerMixin", "DPSFTTrainer", "PrivacyArguments"]
 
+_FORK_HINT = "pass PrivacyArguments(fork=True)"
 ENGINE_FOLDER = "longshield"  # in each checkpoint-N folder: model, optimizer, accountant, sampler (SECRET)
 
 
@@ -280,14 +281,8 @@ class DPTrainerMixin:
             step = int(json.loads(state.read_text())["global_step"])
         except (OSError, ValueError, KeyError):
             return  # not a Trainer checkpoint: the load says so
-        ledger = RunLedger(self.args.output_dir, Path(checkpoint).parent)
-        newest = ledger.newest()
-        if step < newest and not self.privacy.fork:
-            raise RollbackRefused(
-                f"DPTrainer: the run ledger {ledger.paths[0]} records step {newest}, released, and {checkpoint} is "
-                f"at step {step}: continuing from it would redraw released steps with fresh noise and under-report "
-                "ε. Resume from the newest checkpoint, or pass PrivacyArguments(fork=True) to fork (ε then covers "
-                "every step in the ledger, both branches)")
+        RunLedger(self.args.output_dir, Path(checkpoint).parent).refuse_older(
+            step, fork=self.privacy.fork, where="DPTrainer", what=str(checkpoint), fork_hint=_FORK_HINT)
 
     def num_examples(self, dataloader) -> int:
         if isinstance(getattr(dataloader, "dataset", None), range):  # the training placeholders
@@ -347,8 +342,7 @@ class DPTrainerMixin:
             calibrated_sigma(p.target_epsilon, self._delta, q, steps, p.accountant)
         self._ledger = RunLedger(self.args.output_dir)
         if not self._resuming:  # a new run: a ledger already here holds another run's released steps
-            fresh_start = self._ledger.admit(None, fork=p.fork, fork_hint="pass PrivacyArguments(fork=True)",
-                                             where=f"DPTrainer (output_dir {self.args.output_dir})")
+            fresh_start = self._ledger.admit(None, fork=p.fork, fork_hint=_FORK_HINT, where="DPTrainer")
         config = lf.DPConfig(p.max_grad_norm, sigma, clipping=p.clipping, accountant=p.accountant,
                              insecure_seed=p.insecure_seed,
                              compute_dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
@@ -580,11 +574,8 @@ class DPTrainerMixin:
                              "checkpoint folder a DPTrainer wrote with save_only_model=False")
         self._ledger = RunLedger(self.args.output_dir, Path(checkpoint).parent)
         self._ledger.sync()  # load_checkpoint reads output_dir's ledger: it holds both folders' steps
-        try:
-            lf.load_checkpoint(folder, self.engine, _inner(self.optimizer), self._sampler, fork=self.privacy.fork,
-                               run_dir=self.args.output_dir)
-        except RollbackRefused as e:
-            raise RollbackRefused(f"DPTrainer: {e} (PrivacyArguments(fork=True))") from None
+        lf.load_checkpoint(folder, self.engine, _inner(self.optimizer), self._sampler, fork=self.privacy.fork,
+                           run_dir=self.args.output_dir)  # train() refused an older checkpoint before any load
         self._draws = None
         scheduler = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

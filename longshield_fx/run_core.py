@@ -209,16 +209,10 @@ class RunLedger:
         state, which then keeps its own account). Raises ``RollbackRefused`` for an older state
         unless ``fork``; a fork's ledger lines are copied into every folder of this ledger."""
         records = self.records()
-        newest = max((int(r["step"]) for r in records), default=0)
         accountant = (state or {}).get("accountant", {"history": []})
         steps = sum(int(n) for _, _, n in accountant["history"])
-        if steps < newest and not fork:
-            raise RollbackRefused(
-                f"{where}: the run ledger {self.paths[0]} records step {newest}, released, and this "
-                + (f"state is at step {steps}" if state is not None else "run would start at step 0")
-                + f": continuing from it would redraw released steps with fresh noise and under-report ε. Continue "
-                f"from the newest checkpoint, or {fork_hint} to fork (ε then covers every step in the ledger, both "
-                "branches)")
+        self.refuse_older(steps, max((int(r["step"]) for r in records), default=0), fork=fork, where=where,
+                          what="this state" if state is not None else "this run, starting over,", fork_hint=fork_hint)
         self.sync(records)
         stream = stream_digest((state or {}).get("sampler"))
         kept: dict[int, int] = {}  # step -> lines of it the state's own history already counts
@@ -236,6 +230,18 @@ class RunLedger:
         if len(records) < steps + len(own):
             return None
         return elsewhere
+
+    def refuse_older(self, step: int, newest: int | None = None, *, fork: bool, where: str, what: str,
+                     fork_hint: str) -> None:
+        """Raise ``RollbackRefused`` (one line: the newer step, the way out) when ``step`` is older
+        than the ledger's ``newest`` step (default: read), unless ``fork``."""
+        newest = self.newest() if newest is None else newest
+        if step < newest and not fork:
+            raise RollbackRefused(
+                f"{where}: the run ledger {self.paths[0]} records step {newest}, released, and {what} is at step "
+                f"{step}: continuing would redraw released steps with fresh noise and under-report ε; nothing was "
+                f"changed. Continue from the newest checkpoint, pass a new output folder, or {fork_hint} to fork (ε "
+                "then covers every step in the ledger, both branches)")
 
     def sync(self, records: list[dict] | None = None) -> None:
         """Copy into every folder's ledger the lines it lacks of ``records`` (default: all)."""

@@ -97,7 +97,7 @@ def test_a_fresh_start_in_a_folder_whose_ledger_holds_steps_is_a_fork_of_indepen
     engine, opt, sampler = _run()
     _steps(engine, opt, sampler, 3)
     RunLedger(tmp_path).record(engine, sampler, "checkpoint")
-    with pytest.raises(RollbackRefused, match="would start at step 0"):
+    with pytest.raises(RollbackRefused, match="starting over, is at step 0"):
         RunLedger(tmp_path).admit(None, fork=False, fork_hint="fork", where="test")
     assert RunLedger(tmp_path).admit(None, fork=True, fork_hint="fork", where="test") == [(None, SIGMA, Q)] * 3
 

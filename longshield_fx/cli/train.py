@@ -428,14 +428,14 @@ def _decide_sigma(job: Job) -> dict | None:
 def _check_ledger(job: Job, state: dict | None) -> None:
     """Refuse, before anything is built or written, to continue from a step older than the run
     ledger's newest (or to start over in a folder whose ledger holds steps) unless --fork."""
-    newest, at = job.ledger.newest(), (state or {}).get("step", 0)
-    if at < newest and not getattr(job.args, "fork", False):  # audit: no --fork, it resumes nothing
-        raise CLIError(f"the run ledger {job.ledger.paths[0]} records step {newest}, released, but "
-                       + (f"the newest complete checkpoint is {job.resumed_from.name} at step {at}" if state else
-                          "there is no checkpoint to continue from")
-                       + ": continuing would redraw released steps with fresh noise and under-report ε; nothing was "
-                       "changed. Restore the newer checkpoint, pass a new --out, or add --fork (ε then covers every "
-                       "step in the ledger, both branches)")
+    from ..run_core import RollbackRefused
+
+    what = f"its newest complete checkpoint, {job.resumed_from.name}," if state else "this run, starting over,"
+    try:  # audit has no --fork: it resumes nothing
+        job.ledger.refuse_older((state or {}).get("step", 0), fork=getattr(job.args, "fork", False), where="train",
+                                what=what, fork_hint="add --fork")
+    except RollbackRefused as e:
+        raise CLIError(str(e).removeprefix("train: ")) from None
 
 
 def _calibrated_sigma(job: Job) -> float:
