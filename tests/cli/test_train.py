@@ -369,9 +369,14 @@ def _cut_back_to_step_10(run, copy):
     shutil.copytree(run, copy)
     (copy / "checkpoints" / "ckpt-00000012.pt").unlink()
     (copy / "final_model.pt").unlink()
-    ledger = copy / "privacy_ledger.jsonl"
-    ledger.write_text("".join(line + "\n" for line in ledger.read_text().splitlines() if json.loads(line)["step"] <= 10))
+    _cut_ledger(copy, 10)
     return {p.name: p.read_bytes() for p in (copy / "checkpoints").iterdir()}
+
+
+def _cut_ledger(run, step):
+    """The run's ledger as it was when the run stopped after ``step``."""
+    ledger = run / "privacy_ledger.jsonl"
+    ledger.write_text("".join(line + "\n" for line in ledger.read_text().splitlines() if json.loads(line)["step"] <= step))
 
 
 def test_the_same_command_in_its_out_continues_its_run_and_another_run_there_is_refused(short_run, tmp_path):
@@ -667,6 +672,7 @@ def test_torchrun_fsdp_checkpoint_saved_on_4_ranks_resumes_on_2(tmp_path):
     assert evals[-1] == pytest.approx(written_model_eval(), rel=1e-6)
     (checkpoints / "ckpt-00000003.pt").unlink()
     shutil.rmtree(checkpoints / "ckpt-00000003.dcp")
+    _cut_ledger(tmp_path / "run", 2)
     two = run_cli("train", "--resume", "run", "--fsdp", "dp", cwd=tmp_path,
                   launcher=torchrun + ["2", "-m", "longshield_fx"], timeout=600)
     assert two.returncode == 0, log_excerpt(two.stderr)
