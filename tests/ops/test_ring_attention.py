@@ -111,16 +111,130 @@ def _assert_one_rank_is_document_attention(q, k, v, grad, segments):
 @pytest.mark.parametrize("length", [T, 416])
 def test_cp1_packed_documents_equal_document_attention(length):
     """One process: with ``segments`` each token attends causally within its document only;
-    rows with documents of one token included; at 416 tokens runs longer than 64 too (padded to
-    multiples of 64, not powers of two)."""
+    rows with documents of one token included (they skip the kernel); at 416 tokens runs longer
+    than 64 too (padded to multiples of 16, not powers of two)."""
     q, k, v, grad = _inputs(4, length)
     segments = packed_segments(B, length, seed=2)
     segments[0, :3] = torch.tensor([-1, -2, -3])  # three one-token documents
-    padded = {index.shape[1] for index, _ in ra._run_buckets(segments)}
-    assert 1 in padded and (length == T or any(p > 64 and p % 64 == 0 for p in padded)), padded
+    padded = {b.P for b in ra._run_plan(segments, HQ, D).buckets}
+    assert 1 in padded and (length == T or any(p > 64 and p % 16 == 0 and p & (p - 1) for p in padded)), padded
     _assert_one_rank_is_document_attention(q, k, v, grad, segments)
     with pytest.raises(ValueError, match="segments must be integer document ids of shape"):
         torch.ops.longshield.ring_attention(q, k, v, D**-0.5, "unused", 1, 0, segments[:, :-1])
+
+
+def _each_run_alone(q, k, v, grad, segments):
+    """out, dq, dk and dv of every document run as a sequence of its own, by causal SDPA and
+    autograd (the floor the op is held to: each document alone)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    cu = ra._document_runs(segments).tolist()
+    L, rep = q.shape[2], q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for a, b in zip(cu[:-1], cu[1:]):
+        row, at = divmod(a, L)
+        run = [x[row:row + 1, :, at:at + b - a] for x in (q, k, v)]
+        out[row:row + 1, :, at:at + b - a] = torch.nn.functional.scaled_dot_product_attention(
+            run[0], *(x.repeat_interleave(rep, 1) for x in run[1:]), is_causal=True)
+    return out.detach(), torch.autograd.grad(out, (q, k, v), grad)
+
+
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_cp1_packed_documents_with_large_scores_equal_each_run_alone(hkv):
+    """Scores in the hundreds (q and k scaled up) and runs of every padded length: the padding of
+    a bucket repeats its run's last token, so the backward's probabilities stay at most 1 and
+    nothing overflows; out and gradients as each run alone gives them (to float rounding at these
+    magnitudes), without GQA and with one K/V head (MQA) alike."""
+    g = torch.Generator().manual_seed(7)
+    q, grad = (torch.randn(3, 4, 160, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(3, hkv, 160, D, generator=g) for _ in range(2))
+    q, k = q * 8, k * 8
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate([1, 2, 5, 17, 33, 70, 32] * 2 + [100, 1, 3, 55])])
+    segments = torch.cat([segments, torch.arange(100, 100 + 480 - len(segments))]).view(3, 160)  # padding tokens
+    assert len({b.P for b in ra._run_plan(segments, 4, D).buckets}) > 3
+    ref_out, ref_grads = _each_run_alone(q, k, v, grad, segments)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, _ = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=1e-5)
+
+
+def test_run_plan_places_every_token_once():
+    """The plan of a batch's runs: every token at exactly one unpadded place, which ``inverse``
+    finds; a run's padding (after it) repeats its last token; a run is in a bucket at least as long
+    as it, of a length the kernel runs well (``_fitted_length``)."""
+    segments = packed_segments(3, 416, seed=5)
+    segments[1, 7:10] = torch.tensor([-1, -2, -3])
+    plan = ra._run_plan(segments, HQ, D)
+    cu = ra._document_runs(segments).long()
+    run_of = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+    places = []
+    for b in plan.buckets:
+        index, valid = b.index.view(b.n, b.P), b.valid.view(b.n, b.P)
+        first, last = index[:, 0], index[valid].view(-1).new_tensor([row[v].max() for row, v in zip(index, valid)])
+        assert (run_of[first] == run_of[last]).all() and (cu[run_of[first]] == first).all()  # a whole run per row
+        assert (cu[run_of[last] + 1] == last + 1).all()
+        assert (index == torch.where(valid, index, last[:, None])).all()  # padding: the run's last token
+        assert valid.all() if b.padding is None else (~valid).flatten().nonzero().squeeze(1).equal(b.padding)
+        assert b.P == 1 or b.P >= ra._fitted_length(int(valid.sum(1).max()), 416)
+        places.append(index[valid])
+    assert torch.cat(places).sort().values.equal(torch.arange(3 * 416))
+    padded = torch.cat([b.index for b in plan.buckets])
+    assert padded[plan.inverse].equal(torch.arange(3 * 416))  # each token's place holds it
+
+
+def test_fitted_lengths_are_the_kernels_block_sizes():
+    """Powers of two up to 16, then multiples of 16, of 32 above 256, of 64 above 512, never above
+    the row."""
+    fit = [ra._fitted_length(n, 2048) for n in (1, 2, 3, 5, 16, 17, 33, 64, 65, 250, 257, 513, 2000)]
+    assert fit == [1, 2, 4, 8, 16, 32, 48, 64, 80, 256, 288, 576, 2048]
+    assert ra._fitted_length(250, 250) == 250
+
+
+@pytest.mark.parametrize("heads", [1, 4, 64])
+def test_bucket_lengths_are_the_cheapest_split(heads):
+    """The dynamic programme's buckets cost what the cheapest of every split of the sorted lengths
+    into consecutive buckets costs (under ``_CALL_US`` and ``_sequence_us``): few heads merge
+    lengths to save calls, many heads keep each length's own bucket."""
+    fitted, counts = [2, 16, 48, 64, 96, 112, 224], [3, 1, 5, 1, 7, 1, 2]
+
+    def cost(lengths):
+        return sum(ra._CALL_US * (i == len(lengths) - 1 or lengths[i] != lengths[i + 1])
+                   + n * ra._sequence_us(p, heads, D) for i, (n, p) in enumerate(zip(counts, lengths)))
+
+    def splits(i):  # every split of fitted[i:] into consecutive buckets, as each length's bucket length
+        if i == len(fitted):
+            yield []
+        for j in range(i, len(fitted)):
+            for rest in splits(j + 1):
+                yield [fitted[j]] * (j - i + 1) + rest
+
+    chosen = ra._bucket_lengths(fitted, counts, heads, D)
+    assert cost(chosen) == pytest.approx(min(map(cost, splits(0))))
+    assert chosen[-1] == 224 and chosen == sorted(chosen) and all(c >= f for c, f in zip(chosen, fitted))
+    if heads == 1:  # calls dominate: the lone 16 and 64 join longer buckets
+        assert chosen[1] > 16 and chosen[3] > 64
+    if heads == 64:  # the kernel dominates: every length its own bucket
+        assert chosen == fitted
+
+
+def test_the_plan_is_made_once_per_batch():
+    """Every layer's forward and backward of one batch share one plan; ids equal in value (another
+    tensor) share it too, and ids changed in place, or other heads, get a new one."""
+    q, k, v, grad = _inputs(6)
+    segments = packed_segments(B, T, seed=4)
+    first = ra._run_plan(segments, HQ, D)
+    qq = q.clone().requires_grad_()
+    out, _ = torch.ops.longshield.ring_attention(qq, k, v, D**-0.5, "unused", 1, 0, segments)
+    out.backward(grad)
+    assert ra._run_plan(segments, HQ, D) is first and ra._run_plan(segments.clone(), HQ, D) is first
+    assert ra._run_plan(segments, HQ, 2 * D) is not first
+    again = ra._run_plan(segments, HQ, D)
+    segments[0, 1] = -7  # a one-token document where there was none
+    changed = ra._run_plan(segments, HQ, D)
+    assert changed is not again and any(b.P == 1 for b in changed.buckets)
+    assert ra._run_plan(torch.zeros(B, T, dtype=torch.long), HQ, D) is None  # every row one run: no plan
 
 
 @pytest.mark.parametrize("rows", ["one document each", "one document and many"])
@@ -168,7 +282,9 @@ def test_cp1_opcheck():
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.longshield.ring_attention.default, (q, k, v, 0.3, "unused", 1))
     segments = packed_segments(B, 8, seed=1)
-    torch.library.opcheck(torch.ops.longshield.ring_attention.default, (q, k, v, 0.3, "unused", 1, 0, segments))
+    segments[1, 0] = -1  # a one-token run: the kernel-free bucket
+    for ids in (segments, torch.zeros_like(segments)):  # buckets of runs; every row one run
+        torch.library.opcheck(torch.ops.longshield.ring_attention.default, (q, k, v, 0.3, "unused", 1, 0, ids))
 
 
 # ----------------------------------------------------------------------------------------
