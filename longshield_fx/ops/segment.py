@@ -1,16 +1,22 @@
-"""``longshield::segment_outer``: one outer-product sum per contiguous segment of rows.
+"""Ops over token rows sorted by unit: each unit (packed documents, ``compile(..., packed_units=U)``)
+is a contiguous segment of rows, ``counts`` (S,) int64 how many rows each of the S = U + 1 slots
+holds, in slot order from row 0 (sum at most N: rows after the last segment are never read, so
+``clip`` leaves out the padding slot, the last, by giving it no rows).
 
-With packed documents (``compile(..., packed_units=U)``) a linear layer's per-unit weight
-gradient is ``sum over the unit's tokens of g_t x_tᵀ``. Sorting the tokens by unit makes every
-unit a contiguous segment of rows, and the per-unit gradients are then one grouped matmul:
-the same FLOPs as the layer's ordinary weight gradient, never U times them (a one-hot
-einsum would multiply by U).
+Every op here works on the segments that hold rows, found from ``counts`` when it runs, and never
+on the S slots a fixed shape reserves: a physical batch's work follows its tokens and units, not
+U (``segment_outer``, which returns all S slots, is the one exception, for
+``engine.per_sample_grads``). The ops that ``clip`` runs:
 
-``segment_outer(a, b, counts)``: ``a`` (N, p) and ``b`` (N, d) hold the rows sorted by
-segment, ``counts`` (S,) int64 how many rows each segment holds (sum N); returns (S, p, d)
-with ``out[s] = a[rows of s]ᵀ @ b[rows of s]`` (zero for an empty segment). For fp32/bf16/fp16
-operands whose rows are 16-byte aligned it is one grouped matmul (CPU or CUDA); else one
-matmul per segment (exact, any dtype).
+- a linear weight's per-unit gradients (``a_sᵀ b_s``): ``segment_outer_norms`` forms each unit's
+  product and takes its float64 squared norm as it is formed, keeping up to ``capacity`` of them;
+  ``segment_outer_clipped_sum`` sums the kept units' products scaled by their clip factors;
+- any other per-unit gradient held as (S, ...) rows (``unit_sq_norms``, ``unit_weighted_sum``);
+- ghost norm and book-keeping (``segment_sq_norm``, ``segment_book_keeping``), each in float64
+  with the rounding bound ``clip`` counts.
+
+A segment's inf or nan reaches no other segment's result: no op mixes two segments' rows in one
+product, and a unit ``clip`` does not keep is never read by the sums.
 """
 from __future__ import annotations
 
@@ -18,24 +24,80 @@ import torch
 
 from .._torch import grouped_mm
 
+_CHUNK = 2 ** 22  # elements in one temporary (a float64 copy, a group of products): 32 MiB in float64
+_PIECE = 2 ** 16  # elements in one float64 copy for a norm on the CPU: 512 KiB, in cache
+
 
 def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype in (torch.float32, torch.bfloat16, torch.float16) and a.dtype == b.dtype
             and (a.shape[1] * a.element_size()) % 16 == 0 and (b.shape[1] * b.element_size()) % 16 == 0)
 
 
+def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(slots, starts, lengths) of the segments that hold rows, in slot order (so in row order)."""
+    slots = counts.nonzero().flatten()
+    lengths = counts[slots]
+    starts = counts.cumsum(0)[slots] - lengths
+    return slots, starts.tolist(), lengths.tolist()
+
+
+def _products(a: torch.Tensor, b: torch.Tensor, starts: list[int], lengths: list[int], groups: int = 0):
+    """(max(groups, k), p, d): ``a_sᵀ b_s`` of k segments adjacent in the rows, in the dtype of
+    ``a``; ``groups`` > k adds zero products after them. One grouped matmul where the layout
+    allows it (each segment's product as the matmul of its rows alone), else one per segment."""
+    k, p, d = len(starts), a.shape[1], b.shape[1]
+    if k == 0:
+        return a.new_zeros(groups, p, d)
+    lo, hi = starts[0], starts[-1] + lengths[-1]
+    if _grouped_mm_fits(a, b):
+        ends = torch.tensor(lengths, device=a.device).cumsum(0)
+        if groups > k:
+            ends = torch.cat([ends, ends[-1:].expand(groups - k)])
+        return grouped_mm(a[lo:hi].t(), b[lo:hi], ends.to(torch.int32))
+    out = a.new_zeros(max(groups, k), p, d)
+    for i, (s, n) in enumerate(zip(starts, lengths)):
+        out[i] = a[s:s + n].t() @ b[s:s + n]
+    return out
+
+
+def _pieces(k: int, width: int, device: torch.device) -> tuple[int, int]:
+    """(rows, columns) of one piece of a (k, width) tensor: at most ``_PIECE`` elements on the CPU
+    (small enough to stay in cache and be reused: fresh float64 copies of a layer's products took
+    5x the arithmetic, most of it in page faults), ``_CHUNK`` elsewhere."""
+    limit = _PIECE if device.type == "cpu" else _CHUNK
+    return max(1, limit // max(1, width)), min(width, limit)
+
+
+def _sq_norms(x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """(k,) float64 squared Frobenius norms of the k leading rows of ``x`` (of its rows ``index``),
+    each summed in float64, piece by piece."""
+    rows = x.reshape(x.shape[0], -1)
+    k, width = (rows.shape[0] if index is None else index.numel()), rows.shape[1]
+    out = torch.zeros(k, dtype=torch.float64, device=x.device)
+    per, cols = _pieces(k, width, x.device)
+    for i in range(0, k, per):
+        for j in range(0, width, cols):
+            part = rows[:, j:j + cols]
+            part = part[i:i + per] if index is None else part.index_select(0, index[i:i + per])
+            out[i:i + per] += torch.linalg.vector_norm(part, dim=1, dtype=torch.float64).square()
+    return out
+
+
+def _runs(lengths: list[int], width: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of segments whose products (``width`` elements each) fit ``_CHUNK``."""
+    per = max(1, _CHUNK // max(1, width))
+    return [(i, min(len(lengths), i + per)) for i in range(0, len(lengths), per)]
+
+
 @torch.library.custom_op("longshield::segment_outer", mutates_args=())
 def segment_outer(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    S, p, d = counts.shape[0], a.shape[1], b.shape[1]
-    if _grouped_mm_fits(a, b):
-        offsets = counts.cumsum(0).to(torch.int32)
-        return grouped_mm(a.contiguous().t(), b.contiguous(), offsets)
-    out = a.new_zeros(S, p, d)
-    start = 0
-    for s, n in enumerate(counts.tolist()):
-        if n:
-            out[s] = a[start:start + n].t() @ b[start:start + n]
-        start += n
+    """(S, p, d): ``out[s] = a[rows of s]ᵀ @ b[rows of s]``, zero for an empty slot (the per-unit
+    gradients of ``engine.per_sample_grads``: the FLOPs of the layer's weight gradient, never U
+    times them; the zeros of the S slots are written, so ``clip`` uses ``segment_outer_norms``)."""
+    slots, starts, lengths = _segments(counts)
+    out = a.new_zeros(counts.shape[0], a.shape[1], b.shape[1])
+    if lengths:
+        out[slots] = _products(a, b, starts, lengths)
     return out
 
 
@@ -44,46 +106,205 @@ def _(a, b, counts):
     return a.new_empty(counts.shape[0], a.shape[1], b.shape[1])
 
 
+@torch.library.custom_op("longshield::segment_outer_norms", mutates_args=())
+def segment_outer_norms(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
+                        capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sq, held): sq (S,) float64, ``‖a_sᵀ b_s‖²`` of each segment's product in ``a``'s dtype
+    (0 for an empty slot), summed in float64; held (capacity, p, d): the products of the first
+    ``capacity`` segments that hold rows, in slot order (zeros after them), for
+    ``segment_outer_clipped_sum``. The products of further segments are formed for their norm
+    and let go (that sum forms them again). Each norm is taken as its product is formed."""
+    slots, starts, lengths = _segments(counts)
+    p, d = a.shape[1], b.shape[1]
+    sq = torch.zeros(counts.shape[0], dtype=torch.float64, device=a.device)
+    kept = min(capacity, len(lengths))
+    held = _products(a, b, starts[:kept], lengths[:kept], groups=capacity)
+    norms = [_sq_norms(held[:kept])]
+    for i, j in _runs(lengths[kept:], p * d):
+        norms.append(_sq_norms(_products(a, b, starts[kept + i:kept + j], lengths[kept + i:kept + j])))
+    if lengths:
+        sq[slots] = torch.cat(norms)
+    return sq, held
+
+
+@segment_outer_norms.register_fake
+def _(a, b, counts, capacity):
+    return a.new_empty(counts.shape[0], dtype=torch.float64), a.new_empty(capacity, a.shape[1], b.shape[1])
+
+
+@torch.library.custom_op("longshield::segment_outer_clipped_sum", mutates_args=())
+def segment_outer_clipped_sum(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, held: torch.Tensor,
+                              sq: torch.Tensor, factor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(p, d) fp32: Σ over the slots s with ``keep[s]`` of ``factor[s] · a_sᵀ b_s``, from ``held``
+    and ``sq`` as ``segment_outer_norms`` made them; a slot not kept is never read. A kept slot is
+    one that holds rows and whose norm is finite (``clip``), so every product summed is finite.
+
+    A product beyond ``held`` is formed again, by the same matmul on the same rows. Its norm must
+    be the one its clip factor was computed from (a unit with cancelling tokens has a product of
+    rounding noise, and another rounding of it could have a larger norm): it is taken again, and
+    where it is not ``sq``'s, the product is scaled by √(sq / its squared norm) (by 0 if it is no
+    longer finite), so its contribution never exceeds the clip factor times the norm ``clip`` used."""
+    slots, starts, lengths = _segments(counts)
+    p, d, capacity = a.shape[1], b.shape[1], held.shape[0]
+    out = torch.zeros(p * d, dtype=torch.float32, device=a.device)
+    kept = min(capacity, len(lengths))
+    chosen = keep[slots]
+    f = factor[slots].float()
+
+    def add(products: torch.Tensor, take: torch.Tensor, scale: torch.Tensor) -> None:
+        rows = products.reshape(products.shape[0], -1)
+        if not bool(take.all()):
+            index = take.nonzero().flatten()
+            rows, scale = rows.index_select(0, index), scale.index_select(0, index)
+        if rows.shape[0]:
+            out.add_(torch.mv(rows.float().t(), scale))
+
+    add(held[:kept], chosen[:kept], f[:kept])
+    for i, j in _runs(lengths[kept:], p * d):
+        i, j = kept + i, kept + j
+        products = _products(a, b, starts[i:j], lengths[i:j])
+        again, used = _sq_norms(products), sq[slots[i:j]]
+        ratio = torch.where(again == used, 1.0, torch.sqrt(used / again).clamp(max=1.0))
+        finite = torch.isfinite(again) & torch.isfinite(ratio)
+        add(products, chosen[i:j] & finite, (f[i:j].double() * torch.where(finite, ratio, 0.0)).float())
+    return out.view(p, d)
+
+
+@segment_outer_clipped_sum.register_fake
+def _(a, b, counts, held, sq, factor, keep):
+    return a.new_empty(a.shape[1], b.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("longshield::unit_sq_norms", mutates_args=())
+def unit_sq_norms(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(S,) float64: ``‖x[s]‖²`` of each slot that holds rows, summed in float64 (0 for an empty
+    slot, whose rows are never read): the norms of a per-unit gradient held as (S, ...) rows."""
+    slots = counts.nonzero().flatten()
+    sq = torch.zeros(counts.shape[0], dtype=torch.float64, device=x.device)
+    if slots.numel():
+        sq[slots] = _sq_norms(x, slots)
+    return sq
+
+
+@unit_sq_norms.register_fake
+def _(x, counts):
+    return x.new_empty(counts.shape[0], dtype=torch.float64)
+
+
+@torch.library.custom_op("longshield::unit_weighted_sum", mutates_args=())
+def unit_weighted_sum(x: torch.Tensor, factor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(*x.shape[1:]) fp32: Σ over the slots s with ``keep[s]`` of ``factor[s] · x[s]``; the rows of
+    a slot not kept are never read (so their inf or nan cannot reach the sum)."""
+    rows = x.reshape(x.shape[0], -1)
+    out = torch.zeros(rows.shape[1], dtype=torch.float32, device=x.device)
+    slots = keep.nonzero().flatten()
+    if slots.numel():
+        f = factor.index_select(0, slots).float()
+        per, cols = _pieces(slots.numel(), rows.shape[1], x.device)
+        cols = cols if per >= slots.numel() else max(1, cols // slots.numel())  # k x cols in a piece
+        for j in range(0, rows.shape[1], cols):
+            out[j:j + cols] = torch.mv(rows[:, j:j + cols].index_select(0, slots).float().t(), f)
+    return out.view(x.shape[1:])
+
+
+@unit_weighted_sum.register_fake
+def _(x, factor, keep):
+    return x.new_empty(x.shape[1:], dtype=torch.float32)
+
+
+def _batches(lengths: list[int], cost, size, slack: float = 1.5) -> list[list[int]]:
+    """Segments (indices into ``lengths``) in batches of similar length: sorted by length, each
+    batch grown while padding every member to the longest costs at most ``slack`` times the
+    members' own ``cost(n)`` and the batch's ``size(k, n_max)`` elements fit ``_CHUNK``."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    out, batch, own = [], [], 0.0
+    for i in order:
+        n = lengths[i]
+        if batch and ((len(batch) + 1) * cost(n) > slack * (own + cost(n)) or size(len(batch) + 1, n) > _CHUNK):
+            out.append(batch)
+            batch, own = [], 0.0
+        batch.append(i)
+        own += cost(n)
+    return out + ([batch] if batch else [])
+
+
+def _padded_rows(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, n_max: int) -> torch.Tensor:
+    """(k, n_max, ·) float64: each segment's rows of ``x``, padded with zero rows (filled, not
+    multiplied: a zero times another row's inf would be nan). Padding adds exact zeros to every
+    sum the Grams and products make, so it moves neither their value nor their rounding."""
+    steps = torch.arange(n_max, device=x.device)
+    pad = steps >= lengths[:, None]
+    index = (starts[:, None] + steps).clamp(max=x.shape[0] - 1)
+    rows = x.index_select(0, index.flatten()).view(*index.shape, x.shape[1])
+    return rows.masked_fill_(pad[:, :, None], 0).double()
+
+
 @torch.library.custom_op("longshield::segment_sq_norm", mutates_args=())
 def segment_sq_norm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """(S,) float64: ``‖a[rows of s]ᵀ @ b[rows of s]‖²`` (Frobenius) of each segment, in float64,
-    without holding the S products. A segment of n ≤ W = p·d/(p+d) rows (its two Grams cost no
-    more than its product) by ghost norm, ⟨a_s a_sᵀ, b_s b_sᵀ⟩, all such segments at once: the
-    rows cut into tiles of W, Grams of each tile with itself and with the next (a short segment
-    spans at most two tiles), each entry kept where both rows are of one segment. A longer
-    segment from its product, one at a time. Either way the float64 rounding is within
-    2·γ_{n²+p·d+p+d+1}·A_s² of the exact value (A_s = Σ_t ‖a_t‖·‖b_t‖; ``clip`` adds that bound:
-    the Grams' inner product sums n² terms, the product's squares p·d). A non-finite segment
-    is non-finite alone: no other segment's norm reads its rows."""
-    S, N, p, d = counts.shape[0], a.shape[0], a.shape[1], b.shape[1]
+    without forming the products of short segments. A segment of n ≤ W = p·d/(p+d) rows (its two
+    Grams cost no more than its product) by ghost norm, ⟨a_s a_sᵀ, b_s b_sᵀ⟩; a longer one from its
+    product. Only the segments that hold rows, in batches of similar length (one float64 ``bmm``
+    per batch, each padded with zero rows to its longest). Either way the float64 rounding is
+    within 2·γ_{n²+p·d+p+d+1}·A_s² of the exact value (A_s = Σ_t ‖a_t‖·‖b_t‖; ``clip`` adds that
+    bound: the Grams' inner product sums n² terms, the product's squares p·d; the padding's exact
+    zeros add no rounding). A non-finite segment is non-finite alone: each batch member's Grams and
+    product read its own rows and zeros only."""
+    slots, starts, lengths = _segments(counts)
+    p, d = a.shape[1], b.shape[1]
     W = max(1, p * d // (p + d))
-    out = torch.zeros(S, dtype=torch.float64, device=a.device)
-    segment = torch.repeat_interleave(torch.arange(S, device=a.device), counts, output_size=N)
-    short = counts[segment] <= W
-    K = -(-N // W)
-
-    def tiles(x):
-        x = torch.where(short[:, None], x.double(), 0.0)
-        return torch.cat([x, x.new_zeros(K * W - N, x.shape[1])]).view(K, W, x.shape[1])
-
-    x, y = tiles(a), tiles(b)
-    seg = torch.cat([segment, segment.new_full((K * W - N,), -1)]).view(K, W)
-    same = seg[:, :, None] == seg[:, None, :]
-    # where, not a product with the mask: another segment's inf or nan times 0 would be nan here.
-    row_sums = torch.where(same, (x @ x.transpose(1, 2)) * (y @ y.transpose(1, 2)), 0.0).sum(2)
-    if K > 1:  # a segment spanning tiles k and k+1: its cross terms, counted twice (both orders)
-        cross = torch.where(seg[:-1, :, None] == seg[1:, None, :],
-                            (x[:-1] @ x[1:].transpose(1, 2)) * (y[:-1] @ y[1:].transpose(1, 2)), 0.0)
-        row_sums[:-1] += 2 * cross.sum(2)
-    out.index_add_(0, seg.view(-1).clamp(min=0), torch.where(seg.view(-1) >= 0, row_sums.view(-1), 0.0))
-    start = 0
-    for s, n in enumerate(counts.tolist()):
-        if n > W:
-            out[s] = (a[start:start + n].double().t() @ b[start:start + n].double()).pow(2).sum()
-        start += n
+    out = torch.zeros(counts.shape[0], dtype=torch.float64, device=a.device)
+    if not lengths:
+        return out
+    start_t, length_t = torch.tensor(starts, device=a.device), torch.tensor(lengths, device=a.device)
+    short = [i for i, n in enumerate(lengths) if n <= W]
+    long = [i for i, n in enumerate(lengths) if n > W]
+    work = ((short, True, lambda n: n * n, lambda k, n: k * n * (n + p + d)),
+            (long, False, lambda n: n, lambda k, n: k * (n * (p + d) + p * d)))
+    for members, gram, cost, size in work:
+        for batch in _batches([lengths[i] for i in members], cost, size):
+            index = torch.tensor([members[i] for i in batch], device=a.device)
+            n_max = max(lengths[members[i]] for i in batch)
+            x = _padded_rows(a, start_t[index], length_t[index], n_max)
+            y = _padded_rows(b, start_t[index], length_t[index], n_max)
+            if gram:
+                value = (torch.bmm(x, x.transpose(1, 2)) * torch.bmm(y, y.transpose(1, 2))).sum((1, 2))
+            else:
+                value = torch.bmm(x.transpose(1, 2), y).square().sum((1, 2))
+            out[slots[index]] = value
     return out
 
 
 @segment_sq_norm.register_fake
 def _(a, b, counts):
     return a.new_empty(counts.shape[0], dtype=torch.float64)
+
+
+@torch.library.custom_op("longshield::segment_book_keeping", mutates_args=())
+def segment_book_keeping(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, factor: torch.Tensor,
+                         keep: torch.Tensor) -> torch.Tensor:
+    """(p, d) fp32: Σ_t f_{u(t)} a_t b_tᵀ over the rows of the slots kept (``keep``), accumulated in
+    float64 (``clip``'s book-keeping; its rounding bound is counted there), returned in fp32. The
+    rows of a slot not kept are never read; the kept rows go in chunks of at most ``_CHUNK``
+    float64 elements, in row order, whatever U is."""
+    p, d = a.shape[1], b.shape[1]
+    unit = torch.repeat_interleave(torch.arange(counts.shape[0], device=a.device), counts)
+    rows = keep.index_select(0, unit).nonzero().flatten()
+    row_factor = factor.double().index_select(0, unit.index_select(0, rows))
+    prefix = rows.numel() == 0 or int(rows[-1]) == rows.numel() - 1  # every row up to the last kept one: no gather
+    total = torch.zeros(p, d, dtype=torch.float64, device=a.device)
+    step, _ = _pieces(a.shape[0], p + d, a.device)
+    for i in range(0, rows.numel(), step):
+        j = min(rows.numel(), i + step)
+        left, right = (a[i:j], b[i:j]) if prefix else (a.index_select(0, rows[i:j]), b.index_select(0, rows[i:j]))
+        left, right, f = left.double(), right.double(), row_factor[i:j, None]
+        if p <= d:  # the factor on the narrower operand: fewer products, a smaller copy
+            total.addmm_((left * f).t(), right)
+        else:
+            total.addmm_(left.t(), right * f)
+    return total.float()
+
+
+@segment_book_keeping.register_fake
+def _(a, b, counts, factor, keep):
+    return a.new_empty(a.shape[1], b.shape[1], dtype=torch.float32)

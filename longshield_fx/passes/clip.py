@@ -30,6 +30,9 @@ Packed documents (``ctx.packed_units`` = U): the samples are the U + 1 unit slot
 ``per_sample`` (the last holds the padding tokens); a slot is counted when it holds tokens and is
 not the padding slot, instead of by the cotangent, which stays 1 per row (the loss is per row;
 what a row's padding adds to it is 0). Rows of embedding gradients carry their owner slot.
+Norms and clipped sums come from the ops of ``ops/segment.py`` (``_PackedClip``), whose work
+follows the tokens and units present, never the U + 1 slots: no (U+1, p, d) tensor is formed
+for a linear weight, and no value depends on U.
 
 Layers the ``ghost_norm`` pass moved to the ``outer`` form (g_b = L_bᵀ R_b) get their norms
 from float64 Gram matrices (ghost norm) and their clipped sum from matmuls over all samples'
@@ -52,6 +55,7 @@ import torch.fx as fx
 from .._torch import c10d
 from ._context import CP_SHARD_DIM, PER_SAMPLE_GRAD, PassContext
 from ._graph import GraphBuilder, eliminate_dead_code, val
+from .ghost_norm import outer_operands, products_held
 from .per_sample import PerSampleGrad, Rewriter
 
 aten = torch.ops.aten
@@ -75,12 +79,15 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     names = sorted(grads, key=lambda n: _available_at(grads[n], position))
     with graph.inserting_before(output):
         real = b(aten.gt.Scalar, mask, 0)
-        real_samples = _packed_real(b, rw.packing, ctx) if rw.packing else real
+        packed = _PackedClip(b, rw, ctx) if rw.packing else None
+        real_samples = packed.real if packed else real
         grams = {}  # one float64 Gram per ghost-norm operand (q, k and v read the same input)
         sq, token_sizes = {}, {}  # token_sizes: A_b of each ghost layer (see _book_keeping)
         for name in names:
-            if grads[name].only_outer and rw.packing:
-                sq[name], token_sizes[name] = _packed_ghost_sq_norm(b, rw.packing, *grads[name].outer)
+            if packed:
+                sq[name], size = packed.sq_norm(name, grads[name])
+                if size is not None:
+                    token_sizes[name] = size
             elif grads[name].only_outer:
                 sq[name], token_sizes[name] = _ghost_sq_norm(b, *grads[name].outer, grams)
             else:
@@ -97,7 +104,8 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         # Each ghost layer's book-keeping rounding bound, κ·A_b, counted against C. Per layer,
         # the ghost layers' thresholds C/sqrt(K) add up to (ghost layers)/sqrt(K) times C.
         thresholds = len(token_sizes) / math.sqrt(len(names)) if per_layer else 1.0
-        rounding = {name: b(aten.mul.Tensor, size, _book_keeping_kappa(grads[name], thresholds, rw.B))
+        rounding = {name: packed.rounding(size, grads[name], thresholds) if packed
+                    else b(aten.mul.Tensor, size, _book_keeping_kappa(grads[name], thresholds, rw.B))
                     for name, size in token_sizes.items()}
         if cfg.clipping == "flat":
             denominator = _plus(b, b(aten.add.Scalar, norm, _EPS), rounding.values())
@@ -113,9 +121,11 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 denominator = _plus(b, denominator, [rounding[name]] if name in rounding else [])
                 factors[name] = _min1(b, _ratio(b, threshold, denominator))
         factors = {name: b(aten.where.ScalarOther, keep, f, 0.0) for name, f in factors.items()}
-        book_keeping = _packed_book_keeping if rw.packing else _book_keeping
-        sums = {name: book_keeping(b, *grads[name].outer, factors[name], keep, rw.packing) if grads[name].only_outer
-                else _weighted_sum(rw, b, grads[name], _fp32(b, factors[name]), keep) for name in names}
+        if packed:
+            sums = {name: packed.clipped_sum(name, grads[name], factors[name], keep) for name in names}
+        else:
+            sums = {name: _book_keeping(b, *grads[name].outer, factors[name], keep) if grads[name].only_outer
+                    else _weighted_sum(rw, b, grads[name], _fp32(b, factors[name]), keep) for name in names}
         sums = [sums[name] for name in ctx.captured.param_names]
         # Packed: the loss is per row and not covered by ε either way; its padding tokens add 0.
         loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, real if rw.packing else keep, loss, 0.0))
@@ -126,14 +136,106 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _packed_real(b, packing, ctx: PassContext) -> fx.Node:
-    """(U+1,) bool: the unit slots that hold tokens (on any sp rank), the padding slot U never."""
-    counts = packing.counts
-    if ctx.sp_size > 1:
-        counts = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, b(aten.clone.default, counts), "sum",
-                                              ctx.sp_group_name))
-    slots = b(aten.arange.default, packing.U + 1, device=val(counts).device)
-    return b(aten.logical_and.default, b(aten.gt.Scalar, counts, 0), b(aten.lt.Scalar, slots, packing.U))
+class _PackedClip:
+    """Norms and clipped sums of packed documents' per-unit gradients (see the module docstring),
+    each by work that follows the units present, never the U + 1 slots:
+
+    - ``ghost_norm``'s ``outer`` form: ghost norm per unit (``segment_sq_norm``) and book-keeping
+      over the kept units' token rows (``segment_book_keeping``);
+    - a linear weight's per-unit products (``segment_outer`` of two token-row operands, the
+      ``per-unit`` method): each present unit's product formed once, its norm taken as it is
+      formed, the products kept until the factors are known (``segment_outer_norms``, as many as
+      ``ghost_norm.products_held``; further ones are formed again) and the kept units' scaled and
+      summed (``segment_outer_clipped_sum``);
+    - any other dense (U+1, ...) per-unit gradient (the head's accumulator, biases, norm
+      weights): the rows of the present or kept slots only (``unit_sq_norms``,
+      ``unit_weighted_sum``);
+    - embedding rows: as unpacked, by owner.
+
+    ``counts`` are the unit slots' token counts, all-reduced over sp ranks (a unit may have its
+    tokens on another rank), with the padding slot U given none: it is no sample, and no op
+    reads its rows."""
+
+    def __init__(self, b, rw: Rewriter, ctx: PassContext):
+        self.b, self.rw, self.packing = b, rw, rw.packing
+        self.local = ctx.sp_size == 1  # the sorted token rows hold every token of a unit
+        counts = self.packing.counts
+        if not self.local:
+            counts = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, b(aten.clone.default, counts), "sum",
+                                                  ctx.sp_group_name))
+        slots = b(aten.arange.default, self.packing.U + 1, device=val(counts).device)
+        self.counts = b(aten.mul.Tensor, counts, b(aten.lt.Scalar, slots, self.packing.U))
+        self.real = b(aten.gt.Scalar, self.counts, 0)  # (U+1,) bool: the unit slots that hold tokens
+        self.row_norms = {}  # float64 ‖x_t‖ per ghost operand (q, k and v read the same input)
+        self.held = {}  # per-unit products' name -> what segment_outer_clipped_sum reads back
+        self.dense = {}  # name -> its (U+1, ...) per-unit gradient
+
+    def sq_norm(self, name: str, g: PerSampleGrad) -> tuple[fx.Node, fx.Node | None]:
+        """(U+1,) float64 squared norms, and A_u for a ghost layer (else None)."""
+        b = self.b
+        if g.only_outer:
+            return self._ghost_sq_norm(*g.outer)
+        operands = outer_operands(g) if self.local else None
+        if operands is not None and val(operands[0]).dim() == 2:  # token rows sorted by unit (segment_outer)
+            left, right = operands
+            N, m, n = val(left).shape[0], val(left).shape[1], val(right).shape[1]
+            capacity = products_held(N, self.packing.rows, self.packing.U, m, n)
+            out = b(torch.ops.longshield.segment_outer_norms.default, left, right, self.counts, capacity)
+            sq, held = b(getitem, out, 0), b(getitem, out, 1)
+            self.held[name] = (left, right, held, sq)
+            return sq, None
+        if g.dense is not None or g.outer:
+            self.dense[name] = self.rw.densify(g)
+            return b(torch.ops.longshield.unit_sq_norms.default, self.dense[name], self.counts), None
+        return _rows_sq_norm(b, *_concat_rows(b, g), num_rows=g.shape[0], samples=self.rw.B), None
+
+    def clipped_sum(self, name: str, g: PerSampleGrad, factor: fx.Node, keep: fx.Node) -> fx.Node:
+        """Σ_u factor_u g_u over the kept units, in fp32 (``factor`` is 0 where not ``keep``)."""
+        b = self.b
+        if g.only_outer:
+            return b(torch.ops.longshield.segment_book_keeping.default, *g.outer, self.counts, factor, keep)
+        if name in self.held:
+            left, right, held, sq = self.held[name]
+            return b(torch.ops.longshield.segment_outer_clipped_sum.default, left, right, self.counts, held, sq,
+                     _fp32(b, factor), keep)
+        if name in self.dense:
+            return b(torch.ops.longshield.unit_weighted_sum.default, self.dense[name], _fp32(b, factor), keep)
+        return _weighted_sum(self.rw, b, g, _fp32(b, factor), keep)
+
+    def rounding(self, size: fx.Node, g: PerSampleGrad, threshold_sum: float) -> fx.Node:
+        """κ_u·A_u, unit u's share of the book-keeping sum's rounding bound (``_book_keeping``), with
+        κ_u = γ_{N+1}·(N/n_u)·threshold_sum/2.5e-7 for a unit of n_u of the N token rows: then
+        f_u·A_u ≤ C·2.5e-7·n_u/(γ_{N+1}·N·threshold_sum), and over the kept units, whose n_u add up
+        to at most N, the sum's rounding γ_{N+1}·Σ_u f_u·A_u stays below 2.5e-7·C, as unpacked.
+        Counted by tokens rather than by the U + 1 slots (``_book_keeping_kappa``'s count of
+        samples), it depends on no slot count: the same tokens are clipped alike at any U (a unit
+        of N/(U+1) tokens gets the unpacked κ; a shorter one more, a longer one less)."""
+        b = self.b
+        tokens = val(g.outer[0]).shape[0]
+        per_token = _gamma(tokens + 1) * tokens * threshold_sum / 2.5e-7
+        n_u = b(aten.clamp_min.default, b(aten._to_copy.default, self.counts, dtype=torch.float64), 1.0)
+        return b(aten.div.Tensor, b(aten.mul.Tensor, size, per_token), n_u)
+
+    def _ghost_sq_norm(self, left: fx.Node, right: fx.Node) -> tuple[fx.Node, fx.Node]:
+        """``_ghost_sq_norm`` for packed documents: L and R are the N token rows sorted by unit, and
+        each unit's squared norm comes from its own rows (``longshield::segment_sq_norm``), raised by
+        its float64 rounding bound 2·γ_{n_u²+m·n+m+n+1}·A_u² (n_u: the unit's tokens; the op sums
+        n_u² Gram terms for a short unit, m·n squares of its product for a long one); A_u sums the
+        unit's ‖l_t‖·‖r_t‖ in float64, each operand's row norms formed once."""
+        b = self.b
+        m, n = val(left).shape[1], val(right).shape[1]
+        sq = b(torch.ops.longshield.segment_sq_norm.default, left, right, self.counts)
+        for x in (left, right):
+            if x not in self.row_norms:
+                self.row_norms[x] = b(aten.linalg_vector_norm.default, x, 2, [1], False, dtype=torch.float64)
+        token_products = b(aten.mul.Tensor, self.row_norms[left], self.row_norms[right])
+        size = b(aten.index_add.default, b(aten.zeros.default, [self.packing.U + 1], dtype=torch.float64,
+                                           device=val(left).device), 0, self.packing.sorted_unit, token_products)
+        n_u = b(aten._to_copy.default, self.counts, dtype=torch.float64)
+        ku = b(aten.mul.Tensor, b(aten.add.Scalar, b(aten.mul.Tensor, n_u, n_u), m * n + m + n + 1), 2.0 ** -53)
+        gamma = b(aten.div.Tensor, ku, b(aten.rsub.Scalar, ku, 1.0))
+        bound = b(aten.mul.Tensor, b(aten.mul.Tensor, b(aten.mul.Tensor, size, size), gamma), 2.0)
+        return b(aten.add.Tensor, sq, bound), size
 
 
 def _available_at(g: PerSampleGrad, position: dict) -> int:
@@ -275,51 +377,7 @@ def _book_keeping_kappa(g: PerSampleGrad, threshold_sum: float, samples: int) ->
     return _gamma(tokens + 1) * samples * threshold_sum / 2.5e-7
 
 
-def _packed_ghost_sq_norm(b, packing, left: fx.Node, right: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """``_ghost_sq_norm`` for packed documents: L and R are the N token rows sorted by unit, and
-    each unit's squared norm comes from its own rows (``longshield::segment_sq_norm``), raised by
-    its float64 rounding bound 2·γ_{n_u²+m·n+m+n+1}·A_u² (n_u: the unit's tokens; the op sums
-    n_u² Gram terms for a short unit, m·n squares of its product for a long one); A_u sums the
-    unit's ‖l_t‖·‖r_t‖ in float64."""
-    m, n = val(left).shape[1], val(right).shape[1]
-    sq = b(torch.ops.longshield.segment_sq_norm.default, left, right, packing.counts)
-    token_products = b(aten.mul.Tensor, b(aten.linalg_vector_norm.default, left, 2, [1], False, dtype=torch.float64),
-                       b(aten.linalg_vector_norm.default, right, 2, [1], False, dtype=torch.float64))
-    size = b(aten.index_add.default, b(aten.zeros.default, [packing.U + 1], dtype=torch.float64,
-                                       device=val(left).device), 0, packing.sorted_unit, token_products)
-    n_u = b(aten._to_copy.default, packing.counts, dtype=torch.float64)
-    ku = b(aten.mul.Tensor, b(aten.add.Scalar, b(aten.mul.Tensor, n_u, n_u), m * n + m + n + 1), 2.0 ** -53)
-    gamma = b(aten.div.Tensor, ku, b(aten.rsub.Scalar, ku, 1.0))
-    bound = b(aten.mul.Tensor, b(aten.mul.Tensor, b(aten.mul.Tensor, size, size), gamma), 2.0)
-    return b(aten.add.Tensor, sq, bound), size
-
-
-def _packed_book_keeping(b, left: fx.Node, right: fx.Node, factor: fx.Node, keep: fx.Node, packing) -> fx.Node:
-    """``_book_keeping`` for packed documents: Σ_t f_{u(t)} l_t r_tᵀ over the sorted token rows of
-    the units kept, in float64, in chunks of rows no larger than the per-unit gradients it
-    replaces; returned in fp32. The same rounding argument, with N tokens and U + 1 units."""
-    N, m = val(left).shape
-    n = val(right).shape[1]
-    row_factor = b(aten.index_select.default, b(aten.where.ScalarOther, keep, factor, 0.0), 0, packing.sorted_unit)
-    row_keep = b(aten.index_select.default, keep, 0, packing.sorted_unit)
-    step = max(1, (packing.U + 1) * m * n // (2 * (m + n)))
-    total = None
-    for start in range(0, N, step):
-        stop = min(N, start + step)
-
-        def rows(x):
-            return x if stop - start == N else b(aten.slice.Tensor, x, 0, start, stop)
-
-        kept = b(aten.view.default, rows(row_keep), [stop - start, 1])
-        l64 = b(aten._to_copy.default, b(aten.where.ScalarOther, kept, rows(left), 0.0), dtype=torch.float64)
-        r64 = b(aten._to_copy.default, b(aten.where.ScalarOther, kept, rows(right), 0.0), dtype=torch.float64)
-        scaled = b(aten.mul.Tensor, l64, b(aten.view.default, rows(row_factor), [stop - start, 1]))
-        lt = b(aten.t.default, scaled)
-        total = b(aten.mm.default, lt, r64) if total is None else b(aten.addmm.default, total, lt, r64)
-    return b(aten._to_copy.default, total, dtype=torch.float32)
-
-
-def _book_keeping(b, left: fx.Node, right: fx.Node, factor: fx.Node, keep: fx.Node, packing=None) -> fx.Node:
+def _book_keeping(b, left: fx.Node, right: fx.Node, factor: fx.Node, keep: fx.Node) -> fx.Node:
     """Σ_b f_b L_bᵀ R_b in float64, chunk by chunk of samples, returned in fp32.
 
     Why float64, and why the factor holds κ·A_b: the sum's rounding falls on the per-token

@@ -30,13 +30,30 @@ per-sample gradient (bytes independent of T) gives the norm directly. Long conte
 also where ghost loses on its own terms: at T = 4096 it needs m·n ≥ 8192·(m+n), which no
 Llama 3 layer has (the 8B model's MLP, 14336×4096, pays up to T = 1592).
 
-Packed documents (``ctx.packed_units`` = U): a linear weight's per-unit gradients are one
-grouped matmul over the token rows sorted by unit (``longshield::segment_outer``), U + 1 of them
-for any number of tokens. The ``outer`` form keeps the sorted token rows instead, and ``clip``
-takes each unit's norm from its own rows (``longshield::segment_sq_norm``: Grams for a short
-unit, the unit's product for a long one) and the clipped sum by book-keeping over all tokens.
-Chosen when the U + 1 per-unit gradients would take more memory than twice the layer's token
-rows, (U+1)·m·n > 2·N·(m+n): many short documents, wide layers.
+Packed documents (``ctx.packed_units`` = U): a linear weight's per-unit gradients are products
+over the token rows sorted by unit (``longshield::segment_outer`` of two operands); ``clip``
+forms them only for the units present and takes each norm as it is formed (the per-unit
+method, ``per-sample`` in ``inspect``). The ``outer`` form keeps the sorted token rows instead,
+and ``clip`` takes each unit's norm from its own rows (``longshield::segment_sq_norm``: Grams
+for a short unit, the unit's product for a long one) and the clipped sum by book-keeping over
+the kept units' tokens. Both cost what the tokens and units present cost, never what the U + 1
+slots would, so the choice (``packed_prefers_ghost``) compares time, per layer of m·n weights
+read by N token rows holding P units of n̄ = N/P tokens, in fp32 multiply-adds:
+
+- per-unit: the products, N·m·n, and per unit a pass over its m·n product (its float64 norm,
+  its share of the clipped sum: 45 each) and a matmul call (4·10⁵); the products kept from the
+  norms to the sum are bounded by twice the layer's token rows (``products_held``), and any
+  further ones are formed a second time;
+- ghost: the book-keeping, N·m·n, and the Grams, N·n̄·(m+n) for units of n̄ ≤ W = m·n/(m+n)
+  tokens (else each unit's product, N·m·n), all in float64 (4 each).
+
+The constants were measured on one CPU core. Left out: the ghost ops' own overhead (about 1 ms
+a layer at N = 2048, gathers and Python), so the rule keeps ghost up to units of about 20
+tokens, where per-unit is already the faster from about 12. How many units a batch holds is
+known only when it runs; the rule takes P = 4 per row, ``train``'s slots (``expected_units``),
+at most U: a guess at the units present, never the slots reserved, so the same rows choose the
+same methods at any U of at least 4 per row, and each method's work follows the batch's units.
+Either choice is exact for any P.
 
 Assumes: ``per_sample`` ran on a training graph in one process (cp = 1). Guarantees: every
 trainable parameter's placeholder has ``meta[NORM_METHOD]``, the method ``clip`` will use
@@ -61,21 +78,55 @@ def prefers_ghost(T: int, m: int, n: int) -> bool:
     return 2 * T * (m + n) <= m * n
 
 
+# The packed cost model's constants, in fp32 multiply-adds of a matmul (0.011 ns each on this
+# CPU, one core; measured with the segment ops on 2048 tokens and 32x64 to 256x256 weights):
+_PER_UNIT_PASS = 45  # each element of a unit's product: its float64 norm, its share of the sum (0.5 ns)
+_PER_UNIT_CALL = 400_000  # each unit's matmul call in the grouped matmul (4 µs)
+_FLOAT64 = 4  # a float64 multiply-add of the Grams and the book-keeping (bk: 0.9 ms, fp32 mm: 0.25 ms)
+
+
+def expected_units(rows: int, U: int) -> int:
+    """The units a packed batch of ``rows`` rows and U slots is taken to hold when the graph is
+    built: ``train``'s 4 per row (``packing.unit_slots_for``), at most U."""
+    return max(1, min(U, 4 * rows))
+
+
+def products_held(N: int, rows: int, U: int, m: int, n: int) -> int:
+    """How many per-unit products of an (m, n) weight ``clip`` keeps from their norms to the
+    clipped sum (``segment_outer_norms``' capacity): the expected units, within twice the
+    layer's N token rows (the memory the ghost form would keep instead); further ones are formed
+    again."""
+    return max(1, min(expected_units(rows, U), 2 * N * (m + n) // (m * n)))
+
+
+def packed_prefers_ghost(N: int, rows: int, U: int, m: int, n: int) -> tuple[bool, str]:
+    """Ghost norm for a packed (m, n) weight read by N token rows in ``rows`` rows with U unit slots,
+    and the comparison, in multiply-adds (see the module docstring)."""
+    units = expected_units(rows, U)
+    tokens = -(-N // units)  # a unit's, on average
+    each = _PER_UNIT_PASS * m * n + _PER_UNIT_CALL
+    again = max(0, units - products_held(N, rows, U, m, n))  # products formed a second time
+    per_unit = N * m * n + units * each + again * (tokens * m * n + each)
+    ghost = _FLOAT64 * (N * m * n + N * min(tokens * (m + n), m * n))
+    compare = "≤" if ghost <= per_unit else ">"
+    why = f"ghost {ghost:.3g} {compare} per-unit {per_unit:.3g} multiply-adds, {units} units of {tokens} tokens"
+    return ghost <= per_unit, why
+
+
 def ghost_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Move linear weights' per-sample gradients to the ``outer`` form where the cost model
     prefers ghost norm + book-keeping (see the module docstring)."""
     for name in ctx.captured.param_names:
         meta = ctx.param_meta(name)
         g = meta[PER_SAMPLE_GRAD]
-        operands = _outer_operands(g)
+        operands = outer_operands(g)
         if operands is None:
             meta[NORM_METHOD] = f"per-sample (rule {meta.get(PER_SAMPLE_RULE, '?')})"
             continue
         left, right = operands
         if ctx.packed_units:
             N, m, n = val(left).shape[0], val(left).shape[1], val(right).shape[1]
-            ghost = (ctx.packed_units + 1) * m * n > 2 * N * (m + n)
-            compare = f"(U+1)·p·d={(ctx.packed_units + 1) * m * n} {'>' if ghost else '≤'} 2N(p+d)={2 * N * (m + n)}"
+            ghost, compare = packed_prefers_ghost(N, gm.meta["packing"].rows, ctx.packed_units, m, n)
         else:
             T, m, n = val(left).shape[1], val(left).shape[2], val(right).shape[2]
             ghost = prefers_ghost(T, m, n)
@@ -88,7 +139,7 @@ def ghost_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _outer_operands(g: PerSampleGrad) -> tuple[fx.Node, fx.Node] | None:
+def outer_operands(g: PerSampleGrad) -> tuple[fx.Node, fx.Node] | None:
     """(L, R) with g_b = L_bᵀ R_b if ``g`` is one einsum "btm,btn->bmn", possibly transposed per
     sample or cast (a bf16 weight's gradient cast to its fp32 parameter: ``clip`` forms norms in
     float64 and sums in fp32 from L and R themselves, so the cast's rounding is skipped, not

@@ -337,10 +337,19 @@ class Packing:
 
     def sorted(self, tokens: fx.Node) -> fx.Node:
         """Token rows grouped by unit slot, slot 0 first (one copy per tensor, however many layers
-        read it: q, k and v share their input's)."""
+        read it: q, k and v read their input through views of their own, and share one copy)."""
         order = self.order
-        return self._once(("sorted", tokens), [tokens, order],
+        key = (self._view_base(tokens), tuple(val(tokens).shape))  # a view's values follow from its base and shape
+        return self._once(("sorted", key), [tokens, order],
                           lambda: self.call(aten.index_select.default, tokens, 0, order))
+
+    @staticmethod
+    def _view_base(node: fx.Node) -> fx.Node:
+        """The tensor ``node`` reshapes, through any chain of views and reshapes (which read their
+        input in row-major order: two of the same base to the same shape hold the same values)."""
+        while node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            node = node.args[0]
+        return node
 
     def _once(self, key, inputs: list[fx.Node], build) -> fx.Node:
         """One node per ``key``, right after the last of its ``inputs`` (so every user sees it defined);

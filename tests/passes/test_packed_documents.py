@@ -146,11 +146,42 @@ def test_under_block_checkpointing_nothing_of_a_block_lives_from_the_forward_to_
     nodes = list(checkpointed.lower(*pb.tensors()).gm.graph.nodes)
     last_forward = max(i for i, n in enumerate(nodes) if n.meta.get("partitioner_tag") == "is_forward")
     recomputed = [i for i, n in enumerate(nodes) if n.meta.get("recomputed")]
+    segment_ops = {getattr(torch.ops.longshield, op).default for op in (
+        "segment_outer", "segment_outer_norms", "segment_outer_clipped_sum", "segment_sq_norm", "segment_book_keeping")}
     sorted_rows = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.index_select.default
-                   and any(u.target is torch.ops.longshield.segment_outer.default for u in n.users)]
+                   and any(u.target in segment_ops for u in n.users)]
     assert recomputed and sorted_rows
     assert min(recomputed) > last_forward, [nodes[i].name for i in recomputed if i < last_forward][:5]
     assert min(sorted_rows) > last_forward, [nodes[i].name for i in sorted_rows if i < last_forward][:5]
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+def test_the_unit_slots_change_no_value(setup, ghost):
+    """The same tokens and units at U = 32 and U = 1024 slots (the extra slots empty), by ghost norm
+    and book-keeping (the cost model's choice for these small layers) and by per-unit products
+    (ghost_norm off): the same norm methods, and bitwise the same per-unit norms and clipped sum.
+    The work of every op follows the units present, and no value depends on the slots a fixed
+    shape reserves (not even the book-keeping's rounding allowance, counted by tokens)."""
+    lm, engine = setup
+    units = _units(seed=2)
+    (pb, *_), _ = pack_documents(units, seq_len=T, rows=ROWS, unit_slots=U)
+    results = []
+    for slots in (32, 1024):
+        relabelled = torch.where(pb.units == U, slots, pb.units)  # U was the padding slot
+        e = lf.compile(lf.PackedCausalLMLoss(lm), config=engine.config, packed_units=slots,
+                       disable_passes=() if ghost else ("ghost_norm",))
+        batch = (pb.input_ids, pb.labels, pb.position_ids, relabelled)
+        methods = e.lower(*batch).norm_methods
+        lm.zero_grad()
+        e.accumulate(*batch)
+        norms = e.last_norms.clone()
+        assert bool((norms[len(pb.members):] == 0).all())
+        e.finalize(LogicalBatch(len(pb.members), torch.arange(len(pb.members)), [], 1.0, 1.0))
+        results.append((methods, norms[:len(pb.members)], {n: p.grad.clone() for n, p in lm.named_parameters()}))
+    (m32, n32, g32), (m1024, n1024, g1024) = results
+    assert m32 == m1024 and any(m.startswith("ghost") for m in m32.values()) == ghost
+    assert torch.equal(n32, n1024)
+    assert all(torch.equal(g32[n], g1024[n]) for n in g32)
 
 
 def test_adding_a_unit_moves_the_clipped_sum_by_at_most_c(setup):

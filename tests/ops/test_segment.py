@@ -1,0 +1,158 @@
+"""The segment ops (longshield_fx/ops/segment.py) that ``clip`` runs on packed documents, against
+each segment's product formed alone: values, slots that are never read, and work and values
+that do not depend on how many empty slots the counts reserve."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longshield_fx.ops import segment
+
+N, P, D = 120, 16, 24
+LENGTHS = [5, 0, 40, 3, 0, 30, 12, 0, 10, 20]  # slot 1, 4 and 7 empty; 120 rows
+ops = torch.ops.longshield
+
+
+def _rows(seed: int = 0, p: int = P, d: int = D):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, p, generator=g), torch.randn(N, d, generator=g)
+
+
+def _counts(lengths=LENGTHS, slots: int | None = None) -> torch.Tensor:
+    """``lengths`` then empty slots up to ``slots``."""
+    return torch.tensor(lengths + [0] * ((slots or len(lengths)) - len(lengths)))
+
+
+def _products(a, b, counts) -> torch.Tensor:
+    """Each segment's a_sᵀ b_s, one matmul per segment, in float64."""
+    out, start = torch.zeros(len(counts), a.shape[1], b.shape[1], dtype=torch.float64), 0
+    for s, n in enumerate(counts.tolist()):
+        out[s] = a[start:start + n].double().t() @ b[start:start + n].double()
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 7, 12])
+def test_per_unit_norms_and_clipped_sum_equal_each_segment_alone(capacity):
+    """Products held (capacity ≥ the 7 segments) or formed again (fewer): the same norms and sum."""
+    a, b = _rows()
+    counts = _counts()
+    exact = _products(a, b, counts)
+    sq, held = ops.segment_outer_norms(a, b, counts, capacity)
+    assert held.shape == (capacity, P, D)
+    torch.testing.assert_close(sq, exact.pow(2).sum((1, 2)), rtol=1e-5, atol=0)
+    assert bool((sq[counts == 0] == 0).all())
+    factor = torch.rand(len(counts), generator=torch.Generator().manual_seed(1))
+    keep = counts > 0
+    keep[5] = False
+    total = ops.segment_outer_clipped_sum(a, b, counts, held, sq, factor, keep)
+    expected = (exact * torch.where(keep, factor, 0).double()[:, None, None]).sum(0)
+    torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_product_formed_again_with_another_norm_never_exceeds_the_norm_its_factor_used(monkeypatch):
+    """A product beyond the held ones is formed again; were its rounding not the same (another
+    kernel), its contribution is scaled to the norm clip used, and dropped if no longer finite."""
+    a, b = _rows()
+    counts = _counts()
+    sq, held = ops.segment_outer_norms(a, b, counts, 1)
+    real = segment._products
+
+    def another_rounding(a, b, starts, lengths, groups=0):
+        out = real(a, b, starts, lengths, groups)
+        out[0] *= 1.5  # the first segment formed again: 1.5x the norm its factor was computed from
+        if len(starts) > 1:
+            out[1, 0, 0] = float("nan")  # the second: no longer finite
+        return out
+    monkeypatch.setattr(segment, "_products", another_rounding)
+    for slot in (2, 3, 5):  # the first three segments after the held one (slot 0)
+        keep = torch.zeros(len(counts), dtype=torch.bool)
+        keep[slot] = True
+        total = segment.segment_outer_clipped_sum(a, b, counts, held, sq, torch.ones(len(counts)), keep)
+        if slot == 2:  # scaled back to the norm clip used
+            assert float(total.double().pow(2).sum()) == pytest.approx(float(sq[slot]), rel=1e-6)
+        elif slot == 3:
+            assert bool((total == 0).all())
+        else:
+            torch.testing.assert_close(total.double(), _products(a, b, counts)[slot], rtol=1e-5, atol=1e-5)
+
+
+def test_rows_of_slots_not_kept_are_never_read():
+    """A unit whose rows hold inf and nan and is not kept leaves every sum finite and unchanged."""
+    a, b = _rows()
+    counts = _counts()
+    keep = counts > 0
+    keep[2] = False  # rows 5..44
+    factor = torch.rand(len(counts), dtype=torch.float64)
+    clean = [ops.segment_outer_clipped_sum(a, b, counts, *reversed(ops.segment_outer_norms(a, b, counts, 3)),
+                                           factor.float(), keep),
+             ops.segment_book_keeping(a, b, counts, factor, keep)]
+    a[5:45] = float("nan")
+    b[6, 0] = float("inf")
+    sq, held = ops.segment_outer_norms(a, b, counts, 3)
+    assert not torch.isfinite(sq[2]) and bool(torch.isfinite(sq[counts > 0][[0, 2, 3, 4, 5, 6]]).all())
+    dirty = [ops.segment_outer_clipped_sum(a, b, counts, held, sq, factor.float(), keep),
+             ops.segment_book_keeping(a, b, counts, factor, keep)]
+    for c, d in zip(clean, dirty):
+        assert torch.equal(c, d)
+    x = torch.randn(len(counts), 3, 5)
+    x[counts == 0] = float("nan")  # an empty slot's rows: never read
+    x[2] = float("inf")
+    sq = ops.unit_sq_norms(x, counts)
+    assert bool((sq[counts == 0] == 0).all()) and not torch.isfinite(sq[2])
+    total = ops.unit_weighted_sum(x, factor, keep)
+    torch.testing.assert_close(total, (x[keep] * factor[keep, None, None].float()).sum(0))
+
+
+def test_ghost_norm_and_book_keeping_equal_each_segment_alone():
+    """Short segments by Grams, long ones by their product (W = P·D/(P+D) = 9 rows), both within
+    the float64 rounding bound clip adds; book-keeping over the kept segments' rows."""
+    a, b = _rows()
+    counts = _counts()
+    exact = _products(a, b, counts).pow(2).sum((1, 2))
+    sq = ops.segment_sq_norm(a, b, counts)
+    size = torch.zeros(len(counts), dtype=torch.float64).index_add_(
+        0, torch.repeat_interleave(torch.arange(len(counts)), counts), a.double().norm(dim=1) * b.double().norm(dim=1))
+    n = counts.double()
+    bound = 2 * (n * n + P * D + P + D + 1) * 2.0 ** -53 * size ** 2 * 1.01
+    assert bool(((sq - exact).abs() <= bound).all())
+    factor, keep = torch.rand(len(counts), dtype=torch.float64), counts > 0
+    keep[6] = False
+    expected = (_products(a, b, counts) * torch.where(keep, factor, 0)[:, None, None]).sum(0)
+    torch.testing.assert_close(ops.segment_book_keeping(a, b, counts, factor, keep).double(), expected,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_empty_slots_change_no_value():
+    """The same rows with 10 or 1000 slots (the extra ones empty, as a larger U leaves them): every
+    op gives the same bits, and reads no row of an empty slot."""
+    a, b = _rows()
+    small, large = _counts(), _counts(slots=1000)
+    factor = torch.rand(1000, dtype=torch.float64)
+    rows = torch.randn(1000, 3, 5, generator=torch.Generator().manual_seed(2))
+    results = []
+    for counts in (small, large):
+        S = len(counts)
+        keep = counts > 0
+        x = rows[:S].clone()
+        x[10:] = float("nan")
+        sq, held = ops.segment_outer_norms(a, b, counts, 4)
+        results.append([sq[:10], ops.segment_outer_clipped_sum(a, b, counts, held, sq, factor[:S].float(), keep),
+                        ops.segment_sq_norm(a, b, counts)[:10],
+                        ops.segment_book_keeping(a, b, counts, factor[:S], keep),
+                        ops.unit_sq_norms(x, counts)[:10], ops.unit_weighted_sum(x, factor[:S], keep)])
+    for s, l in zip(*results):
+        assert torch.equal(s, l)
+
+
+def test_padding_rows_after_the_last_segment_are_never_read():
+    """``clip`` gives the padding slot (the last) no rows: its rows, after every unit's, are skipped."""
+    a, b = _rows()
+    counts = _counts(LENGTHS[:-1] + [0])  # the last 20 rows: padding
+    a[100:] = float("nan")
+    keep = counts > 0
+    sq, held = ops.segment_outer_norms(a, b, counts, 3)
+    assert bool(torch.isfinite(sq).all()) and bool(torch.isfinite(ops.segment_sq_norm(a, b, counts)).all())
+    factor = torch.ones(len(counts), dtype=torch.float64)
+    assert bool(torch.isfinite(ops.segment_book_keeping(a, b, counts, factor, keep)).all())
+    assert bool(torch.isfinite(ops.segment_outer_clipped_sum(a, b, counts, held, sq, factor.float(), keep)).all())
