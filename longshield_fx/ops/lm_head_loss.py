@@ -3,20 +3,36 @@
 ``longshield::lm_head_loss`` is what the ``chunked_loss`` pass puts in place of
 ``logits = h @ w.T`` -> log-softmax -> NLL and their backward. It never holds more than one
 chunk's logits: for each chunk of positions it forms the logits, the token losses, the logits'
-gradient ``g * (softmax - onehot(y))`` and from it the hidden states' gradient and the head's
-per-sample gradient ``sum_t dz_bt ⊗ h_bt`` (a (B, V, d) accumulator; with packed documents one
-per unit slot), then drops the chunk.
+gradient ``dz = g * (softmax - onehot(y))`` and from it the hidden states' gradient and the
+head's per-sample gradient ``sum_t dz_bt ⊗ h_bt``, then drops the chunk's logits.
 Forward and backward are one op because the joint graph already holds the loss cotangent, so
 no logits are kept or recomputed between them.
+
+The head's per-sample gradient comes in one of three forms (the op's third output):
+
+- one row per sample (``units`` and ``order`` None): a (B, V, d) accumulator;
+- packed documents, dense (``units``): a (``slots``, V, d) accumulator, one per unit slot, each
+  chunk's rows summed per slot present in it;
+- packed documents, rows (``order``): the logits' gradient itself, (N, V) for the N = B·T
+  positions, its rows sorted by unit as ``order`` lists them. With the hidden rows sorted the
+  same way it is the two-operand form of a linear layer's per-unit gradient (``segment_outer``
+  of the two; ghost norm and book-keeping in ``clip``), and no (slots, V, d) tensor is made.
+  Memory: N·V values in h's dtype instead of slots·V·d in fp32. That is the size of the
+  whole batch's logits, which the chunking otherwise never holds at once, so ``chunked_loss``
+  asks for it only where it (with the sorted hidden rows) is smaller than the dense form.
 
 The chunk's logits live in one buffer: the softmax and then its gradient are formed in place
 (``exp(z - max)``, its row sums, then ``g * (p - onehot(y))``), where ``log_softmax`` would
 need a second buffer for its output. Rounding follows the unchunked graph: logits in ``h``'s
 dtype, the softmax in ``logits_dtype`` computed at least in fp32 (``log_softmax``'s own
-accumulation type), the gradient cast back to ``h``'s dtype before the matmuls. Each position's
-loss is ``log(sum) - (z_y - max)``, the terms ``log_softmax`` computes, so the two agree to an
-ulp (the row sum's order may differ). The per-sample gradient is accumulated over chunks in
-fp32 and returned in ``w``'s dtype.
+accumulation type), the gradient cast back to ``h``'s dtype before the matmuls (and stored so
+in the rows form). Each position's loss is ``log(sum) - (z_y - max)``, the terms
+``log_softmax`` computes, so the two agree to an ulp (the row sum's order may differ). The
+dense per-sample gradients are accumulated over chunks in fp32 and returned in ``w``'s dtype.
+
+``longshield::head_weight_grad`` is the head's (summed) weight gradient ``dzᵀ h`` from the
+rows form: the node the ``chunked_loss`` pass puts where the graph's weight gradient was, whose
+per-sample rule gives ``per_sample`` the two operands.
 """
 from __future__ import annotations
 
@@ -25,30 +41,34 @@ from torch import Tensor
 
 
 def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype, weight_grad: bool,
-                    slots: int = 0) -> int:
+                    slots: int = 0, rows: bool = False) -> int:
     """Bytes the op holds beyond its inputs and outputs while a chunk is in flight (an upper
     bound): the chunk's logits in the softmax's dtype (``logits_dtype``, at least fp32; softmax
     and gradient are formed in that buffer), their matmul output in h's dtype when it differs
     (cast from, and back to), and for low-precision h the fp32 copy of the gradient for the
     accumulator; plus that fp32 (B or ``slots``, V, d) accumulator when w is not fp32; per unit
-    slot, the chunk's rows sorted by unit (a copy of its gradient and hidden states). On CUDA,
+    slot (dense), the chunk's rows sorted by unit (a copy of its gradient and hidden states).
+    The rows form (``rows``) has no accumulator and no copies: the chunk's gradient goes
+    straight into the (N, V) output, and the inverse of ``order`` takes N int64s. On CUDA,
     low-precision factors reach the accumulator without fp32 copies (``_add_product``), so
     there the bound is loose by those copies."""
     B, T, d_h = h.shape
     V, d = w.shape
     work = torch.promote_types(logits_dtype, torch.float32)
-    per_logit = (work.itemsize + (h.element_size() if h.dtype != work else 0)
-                 + (4 if h.dtype != torch.float32 else 0))
-    rows = B * min(chunk, T)
-    sorted_copy = rows * (V + d_h) * 4 if slots else 0
+    chunk_rows = B * min(chunk, T)
+    cast = h.element_size() if h.dtype != work else 0
+    if rows:
+        return chunk_rows * V * (work.itemsize + cast) + B * T * 8
+    per_logit = work.itemsize + cast + (4 if h.dtype != torch.float32 else 0)
+    sorted_copy = chunk_rows * (V + d_h) * 4 if slots else 0
     samples = slots or B
-    return rows * V * per_logit + sorted_copy + (samples * V * d * 4 if weight_grad and w.dtype != torch.float32 else 0)
+    return chunk_rows * V * per_logit + sorted_copy + (samples * V * d * 4 if weight_grad and w.dtype != torch.float32 else 0)
 
 
 @torch.library.custom_op("longshield::lm_head_loss", mutates_args=())
 def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int, ignore_index: int,
                  logits_dtype: torch.dtype, weight_grad: bool, units: Tensor | None = None,
-                 slots: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                 slots: int = 0, order: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Token losses, hidden-state gradient and per-sample head gradient of a causal-LM head.
 
     h: (B, T, d) hidden states; w: (V, d) head weight; labels: (B, T) int64 target of each
@@ -57,54 +77,94 @@ def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int,
     the per-sample gradient of ``w``, (B, V, d) in w's dtype ((B, 0, d) without ``weight_grad``:
     a frozen head). ``chunk``: positions per chunk.
 
-    Packed documents: ``units`` (B, T) int64 names each position's unit slot, and the
+    Packed documents, dense: ``units`` (B, T) int64 names each position's unit slot, and the
     per-sample gradient is per slot, (``slots``, V, d): each slot's positions summed, one
     matmul per slot present in a chunk over its rows (the FLOPs of the per-row form, never
     ``slots`` times them).
+
+    Packed documents, rows: ``order`` (B·T,) int64, a permutation of the positions (flattened
+    row-major) that sorts them by unit; the third output is then the logits' gradient (B·T, V)
+    in h's dtype, its row i that of position ``order[i]`` (see the module docstring). Needs
+    ``weight_grad``.
     """
     B, T, d = h.shape
     V = w.shape[0]
     loss = torch.zeros(B, T, dtype=logits_dtype, device=h.device)
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format)
-    per_sample = torch.zeros(slots if units is not None else B, V if weight_grad else 0, d, dtype=torch.float32,
-                             device=h.device)
+    head = _HeadGrad(h, w, weight_grad, units, slots, order)
     wt = w.t()
     work = torch.promote_types(logits_dtype, torch.float32)  # log_softmax accumulates in this
     for start in range(0, T, chunk):
         stop = min(start + chunk, T)
         hc = h[:, start:stop]
-        y = labels[:, start:stop]
-        counted = y != ignore_index
-        target = torch.where(counted, y, 0).unsqueeze(-1)
-        g = torch.where(counted, grad[:, start:stop].to(work), 0).unsqueeze(-1)
-        z = torch.matmul(hc, wt).to(work)  # (B, c, V), the chunk's one logits buffer
-        # log_softmax's own terms, row by row over V: z - max, the log of the sum of its exp.
-        z.sub_(z.amax(-1, keepdim=True))
-        z_y = z.gather(-1, target)
-        total = z.exp_().sum(-1, keepdim=True)
-        loss[:, start:stop] = torch.where(counted, (total.log() - z_y).squeeze(-1), 0)
-        # d loss / d z = g * (softmax(z) - onehot(y)), in the same buffer.
-        z.div_(total).mul_(g).scatter_add_(-1, target, -g)
-        dz = z.to(h.dtype)
-        del z  # a cast made a copy: the softmax's buffer goes before the fp32 one comes
+        loss[:, start:stop], dz = _chunk(hc, wt, labels[:, start:stop], grad[:, start:stop], ignore_index, work)
         grad_h[:, start:stop] = torch.matmul(dz, w)
-        if weight_grad and units is None:
-            _add_product(per_sample, dz.transpose(1, 2), hc)
-        elif weight_grad:
-            _add_per_unit(per_sample, dz, hc, units[:, start:stop])
-    return loss, grad_h, per_sample.to(w.dtype)
+        head.add(dz, hc, start, stop)
+    return loss, grad_h, head.result()
+
+
+def _chunk(hc: Tensor, wt: Tensor, y: Tensor, grad: Tensor, ignore_index: int, work: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One chunk's token losses (in ``work``) and logits' gradient (in hc's dtype)."""
+    counted = y != ignore_index
+    target = torch.where(counted, y, 0).unsqueeze(-1)
+    g = torch.where(counted, grad.to(work), 0).unsqueeze(-1)
+    z = torch.matmul(hc, wt).to(work)  # (B, c, V), the chunk's one logits buffer
+    # log_softmax's own terms, row by row over V: z - max, the log of the sum of its exp.
+    z.sub_(z.amax(-1, keepdim=True))
+    z_y = z.gather(-1, target)
+    total = z.exp_().sum(-1, keepdim=True)
+    loss = torch.where(counted, (total.log() - z_y).squeeze(-1), 0)
+    # d loss / d z = g * (softmax(z) - onehot(y)), in the same buffer.
+    z.div_(total).mul_(g).scatter_add_(-1, target, -g)
+    # A cast makes a copy: the softmax's buffer goes on return, before the caller's next chunk.
+    return loss, z.to(hc.dtype)
+
+
+class _HeadGrad:
+    """The head's per-sample gradient in the form the op was asked for (module docstring)."""
+
+    def __init__(self, h: Tensor, w: Tensor, weight_grad: bool, units: Tensor | None, slots: int,
+                 order: Tensor | None):
+        B, T, d = h.shape
+        V = w.shape[0]
+        self.w_dtype, self.units = w.dtype, units
+        if order is not None:
+            if not weight_grad:
+                raise ValueError("lm_head_loss: order (the rows form) needs weight_grad")
+            self.rows = h.new_empty(B * T, V)
+            # rank[p]: where position p's row goes; (B, T) so a chunk's positions are one slice.
+            self.rank = torch.empty_like(order).scatter_(0, order, torch.arange(B * T, device=h.device)).view(B, T)
+            self.acc = None
+        else:
+            self.rows = None
+            self.acc = torch.zeros(slots if units is not None else B, V if weight_grad else 0, d,
+                                   dtype=torch.float32, device=h.device)
+
+    def add(self, dz: Tensor, hc: Tensor, start: int, stop: int) -> None:
+        """Take one chunk's logits' gradient ``dz`` (B, c, V) and hidden states ``hc`` (B, c, d)."""
+        if self.rows is not None:
+            self.rows.index_copy_(0, self.rank[:, start:stop].reshape(-1), dz.reshape(-1, dz.shape[-1]))
+        elif not self.acc.shape[1]:
+            return  # a frozen head
+        elif self.units is None:
+            _add_product(self.acc, dz.transpose(1, 2), hc)
+        else:
+            _add_per_unit(self.acc, dz, hc, self.units[:, start:stop])
+
+    def result(self) -> Tensor:
+        return self.rows if self.rows is not None else self.acc.to(self.w_dtype)
 
 
 def _add_per_unit(per_unit: Tensor, dz: Tensor, hc: Tensor, units: Tensor) -> None:
-    """``per_unit[s] += Σ_{positions of slot s} dz_t ⊗ h_t`` for the slots present in the chunk."""
-    order = units.reshape(-1).argsort(stable=True)
-    counts = torch.bincount(units.reshape(-1), minlength=per_unit.shape[0]).tolist()
+    """``per_unit[s] += Σ_{positions of slot s} dz_t ⊗ h_t`` for the slots present in the chunk
+    (a loop over those, not over every slot)."""
+    slot_of, order = units.reshape(-1).sort(stable=True)
+    present, counts = torch.unique_consecutive(slot_of, return_counts=True)
     dz_sorted = dz.reshape(-1, dz.shape[-1]).index_select(0, order)
     h_sorted = hc.reshape(-1, hc.shape[-1]).index_select(0, order)
     start = 0
-    for slot, n in enumerate(counts):
-        if n:
-            _add_product(per_unit[slot], dz_sorted[start:start + n].t(), h_sorted[start:start + n])
+    for slot, n in zip(present.tolist(), counts.tolist()):
+        _add_product(per_unit[slot], dz_sorted[start:start + n].t(), h_sorted[start:start + n])
         start += n
 
 
@@ -125,7 +185,24 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 @lm_head_loss.register_fake
-def _(h, w, labels, grad, chunk, ignore_index, logits_dtype, weight_grad, units=None, slots=0):
+def _(h, w, labels, grad, chunk, ignore_index, logits_dtype, weight_grad, units=None, slots=0, order=None):
     B, T, d = h.shape
-    return (h.new_empty(B, T, dtype=logits_dtype), torch.empty_like(h, memory_format=torch.contiguous_format),
-            w.new_empty(slots if units is not None else B, w.shape[0] if weight_grad else 0, d))
+    if order is not None:
+        head = h.new_empty(B * T, w.shape[0])
+    else:
+        head = w.new_empty(slots if units is not None else B, w.shape[0] if weight_grad else 0, d)
+    return h.new_empty(B, T, dtype=logits_dtype), torch.empty_like(h, memory_format=torch.contiguous_format), head
+
+
+@torch.library.custom_op("longshield::head_weight_grad", mutates_args=())
+def head_weight_grad(dz: Tensor, h: Tensor) -> Tensor:
+    """The head's weight gradient ``dzᵀ h`` (V, d) from the logits' gradient rows dz (N, V) and
+    the hidden rows h (N, d), paired row by row (any common order: ``lm_head_loss``'s rows form
+    with h sorted the same way). A graph that keeps per-sample gradients replaces it by its
+    per-unit form (``chunked_loss``'s rule), so there it never runs."""
+    return dz.t() @ h
+
+
+@head_weight_grad.register_fake
+def _(dz, h):
+    return h.new_empty(dz.shape[1], h.shape[1])

@@ -10,6 +10,29 @@ which ``per_sample`` turns back into the per-sample gradient itself, so the (B, 
 their log-softmax and their gradient are never materialised; the op's working set is one
 chunk's logits (recorded as ``meta["workspace_bytes"]`` for the memory estimate).
 
+Packed documents (``ctx.packed_units`` = U): the samples are the U + 1 unit slots, and the
+head's per-unit gradient takes one of two forms, by a cost rule (``_rows_form``):
+
+- dense: the op sums each chunk's rows per slot into a (U+1, V, d) accumulator (``per_unit``
+  meta on it: ``per_sample`` takes its rows as they are);
+- rows: the op returns the logits' gradient dz (N, V), its rows sorted by unit as
+  ``Packing.order`` sorts the N = B·T positions, and the weight gradient becomes
+  ``longshield::head_weight_grad(dz, h sorted by unit)``, whose per-sample rule (below) is the
+  linear layers' packed form, ``segment_outer`` of two operands sorted by unit. ``ghost_norm``
+  and ``clip`` then treat the head as any packed linear weight (ghost norm and book-keeping on
+  the two operands, or the per-unit products): there is no (U+1, V, d) accumulator to fill,
+  hold and pass over, whose cost grows with U whatever the units present.
+
+  The cost rule is memory: rows when dz and the sorted hidden rows hold fewer values than the
+  dense form, N·(V+d) < (U+1)·V·d. dz is N·V values in the compute dtype, the size of the
+  whole batch's logits that the chunking otherwise never holds at once, kept from the op to
+  ``clip`` as the dense form would be; so the rows form never holds more than the dense one
+  (at llama3.2-1b's shapes, N = 8k tokens and U = 32: 2 GiB of bf16 dz and 32 MiB of h against
+  34 GiB). Few slots for many tokens (U + 1 < N·(V+d)/(V·d)) keep the dense form, smaller
+  there. Not under cp (no ``ghost_norm`` there; ``shard_grads`` reduce-scatters the dense form),
+  nor for a head tied to another weight (its per-unit gradient is then a sum with the other's,
+  which ``ghost_norm`` does not split: rows would only add dz's memory).
+
 Which position of h a loss term belongs to is found by replaying the chain between the
 logits and the NLL on an index tensor (arange over h's rows, the class dim of size 1), so
 any shift (``logits[:, :-1]``), transpose or reshape the loss applies is followed exactly;
@@ -20,7 +43,8 @@ inner=k)``). A loss that does not match the pattern (softcapped or scaled logits
 hand-written NLL, logits used elsewhere) is left as it is: only memory is at stake, never
 privacy. Guarantees: the same values as the unrewritten graph up to float rounding of the
 chunked matmuls (each position's terms are computed by the same formulas, in the same dtypes);
-every new node carries ``meta["val"]`` and its batch tag.
+every new node carries ``meta["val"]`` and its batch tag (None for the rows sorted by unit,
+which are not in the batch's layout).
 """
 from __future__ import annotations
 
@@ -35,7 +59,7 @@ from ..ops import lm_head_loss as _op
 from ._context import PassContext
 from ._graph import GraphBuilder, eliminate_dead_code, norm_dim, permutation, val
 from .batch_dims import BatchDim, batch_dim
-from .per_sample import Packing
+from .per_sample import Packing, PerSampleGrad, Rewriter, per_sample_rule
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -221,6 +245,8 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, m: _Match, chunk_rows: int) -
     B, k = ctx.batch_size, m.rows_per_sample
     h2d, wt = m.logits.args
     N, d = val(h2d).shape
+    packing = Packing.of(gm, ctx, build) if ctx.packed_units else None
+    rows = packing is not None and _rows_form(ctx, m, packing, val(wt).shape[1], d)
     target, ignore_index = m.nll.args[1], m.nll.args[4]
     grad_output = m.nll_backward.args[0]
     logits_dtype = val(m.chain[-1] if m.chain else m.logits).dtype
@@ -235,9 +261,9 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, m: _Match, chunk_rows: int) -
         grads = b(aten.index_put.default,
                   b(aten.zeros.default, [N], dtype=val(grad_output).dtype, device=val(grad_output).device),
                   [flat], b(aten.reshape.default, grad_output, [-1]))
-        # Packed documents: the head's per-sample gradient is per unit slot, summed in the op.
-        per_unit = (b(aten.view.default, Packing.of(gm, ctx, build).units, [B, k]), ctx.packed_units + 1) \
-            if ctx.packed_units else ()
+        # Packed documents: the head's per-unit gradient as rows sorted by unit, or summed per slot in the op.
+        per_unit = (None, 0, packing.order) if rows else \
+            (b(aten.view.default, packing.units, [B, k]), ctx.packed_units + 1) if packing else ()
         op = b(torch.ops.longshield.lm_head_loss.default, b(aten.view.default, h2d, [B, k, d]), b(aten.t.default, wt),
                b(aten.view.default, labels, [B, k]), b(aten.view.default, grads, [B, k]),
                chunk, ignore_index, logits_dtype, bool(m.grad_w), *per_unit)
@@ -246,24 +272,74 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, m: _Match, chunk_rows: int) -
     for node in (grad_h, grad_w):  # gradients, not activations
         node.meta["partitioner_tag"] = "is_backward"
     op.meta["workspace_bytes"] = _op.workspace_bytes(*(val(a) for a in op.args[:2]), chunk, logits_dtype,
-                                                      bool(m.grad_w), ctx.packed_units + 1 if ctx.packed_units else 0)
+                                                      bool(m.grad_w), ctx.packed_units + 1 if packing else 0, rows)
     loss_out = next(u for u in m.nll.users if u.args[1] == 0)
     _tag_batch(forward, B)
-    grad_w.meta["per_unit"] = bool(ctx.packed_units)  # rows are unit slots: per_sample takes them as they are
     token_loss.meta["batch_dim"] = batch_dim(loss_out)
     loss_out.replace_all_uses_with(token_loss)
     with graph.inserting_before(m.grad_h):
         grad_h2d = build(aten.view.default, grad_h, [N, d])
     grad_h2d.meta["batch_dim"] = BatchDim(0, k)
     m.grad_h.replace_all_uses_with(grad_h2d)
+    if rows:
+        op.meta["batch_dim"] = (BatchDim(0), BatchDim(0), None)
+        grad_w.meta["batch_dim"] = None  # rows sorted by unit: not in the batch's layout
+        _replace_weight_grad(graph, build, m, lambda: build(torch.ops.longshield.head_weight_grad.default, grad_w,
+                                                            packing.sorted(h2d)))
+    else:
+        grad_w.meta["per_unit"] = bool(packing)  # rows are unit slots: per_sample takes them as they are
+        _replace_weight_grad(graph, build, m, lambda: build(aten.sum.dim_IntList, grad_w, [0]))
+
+
+def _replace_weight_grad(graph: fx.Graph, build: GraphBuilder, m: _Match, make) -> None:
+    """Put ``make()``, the head's (V, d) weight gradient, in place of each matmul that formed it
+    (transposed where that one was (d, V)); mark it as the lm_head_loss rule's."""
     for mm, transposed in m.grad_w:
         with graph.inserting_before(mm):
-            summed = build(aten.sum.dim_IntList, grad_w, [0])
+            summed = make()
             summed.meta.update(batch_dim=None, per_sample_rule="lm_head_loss")
             if transposed:
                 summed = build(aten.t.default, summed)
                 summed.meta["batch_dim"] = None
         mm.replace_all_uses_with(summed)
+
+
+def _rows_form(ctx: PassContext, m: _Match, packing: Packing, V: int, d: int) -> bool:
+    """Whether the packed head's per-unit gradient should come as rows sorted by unit (see the
+    module docstring): N·(V+d) < (U+1)·V·d, on a head trained alone (not tied) at cp = 1, whose
+    h rows are the packed batch's positions in ``units``' order."""
+    if ctx.sp_size > 1 or len(m.grad_w) != 1 or not _reaches_output_alone(m.grad_w[0][0]):
+        return False
+    if (ctx.batch_size, m.rows_per_sample) != (packing.rows, packing.T):
+        return False
+    N = packing.rows * packing.T
+    return N * (V + d) < (ctx.packed_units + 1) * V * d
+
+
+def _reaches_output_alone(node: fx.Node) -> bool:
+    """Whether ``node`` is a parameter's whole gradient: it reaches the graph's output through
+    single-user views, transposes and casts only (a tied weight's gradient adds another piece)."""
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.op == "output":
+            return True
+        if user.target not in _VIEWS + _TRANSPOSES + _COPIES:
+            return False
+        node = user
+    return False
+
+
+@per_sample_rule(torch.ops.longshield.head_weight_grad.default, name="lm_head_loss")
+def _head_weight_per_unit(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """Per-unit rule of ``head_weight_grad(dz, h)`` (the rows form): its two operands are token
+    rows sorted by unit, so each unit's gradient is its segment's ``dzᵀ h``, one grouped matmul
+    (``segment_outer``, as ``per_sample`` forms packed linear weights), which ``ghost_norm``
+    recognises and may replace by the two operands."""
+    if rw.packing is None:
+        raise AssertionError("head_weight_grad is made for packed documents only")
+    dz, h = node.args
+    per_unit = rw.call(torch.ops.longshield.segment_outer.default, dz, h, rw.packing.counts)
+    return PerSampleGrad(tuple(val(node).shape), per_unit)
 
 
 def _tag_batch(nodes: list, B: int) -> None:

@@ -130,10 +130,11 @@ def test_a_frozen_head_gets_no_per_sample_gradient():
 
 @pytest.mark.parametrize("kind", ["ref", "gpt2"])
 def test_packed_documents_head_gradients_are_per_unit_and_equal_each_unit_alone(kind):
-    """Packed rows: the op sums the head's gradient per unit slot over its positions. Chunks of
-    3 positions per row cut through units and hold several; units span rows. Per-unit gradients
-    equal the plain graph's and each unit run alone, and the graph has no log-softmax of whole
-    rows left."""
+    """Packed rows: chunks of 3 positions per row cut through units and hold several; units span
+    rows. The reference Llama's head (U = 8 slots, N = 64 positions, V = 64, d = 32: N·(V+d) <
+    (U+1)·V·d) gets the rows form, the logits' gradient (N, V) sorted by unit; GPT-2's, tied to
+    the embedding, the op's per-slot sums (U+1, V, d). Per-unit gradients equal the plain
+    graph's and each unit run alone, and the graph has no log-softmax of whole rows left."""
     from longshield_fx.packing import pack_documents
     from oracles import PACKED_ROWS, PACKED_T, PACKED_U, packed_alone, packed_model, packed_units
 
@@ -152,5 +153,31 @@ def test_packed_documents_head_gradients_are_per_unit_and_equal_each_unit_alone(
     assert any("lm_head_loss" in rule for rule in lowered.rules.values())
     op = next(n for n in lowered.gm.graph.nodes if n.target is LM_HEAD_LOSS)
     V = loss.lm.get_output_embeddings().weight.shape[0] if kind != "ref" else loss.lm.cfg.vocab_size
-    assert tuple(op.meta["val"][2].shape)[:2] == (PACKED_U + 1, V)
+    rows = (PACKED_ROWS * PACKED_T, V)
+    assert tuple(op.meta["val"][2].shape)[:2] == (rows if kind == "ref" else (PACKED_U + 1, V))
     assert not any(n.target is torch.ops.aten._log_softmax.default for n in lowered.gm.graph.nodes)
+
+
+@pytest.mark.parametrize("slots", [8, 1])
+def test_packed_head_form_follows_the_cost_rule(slots):
+    """N·(V+d) < (U+1)·V·d (N = 64 positions, V = 64, d = 32: U ≥ 3): the op returns the logits'
+    gradient sorted by unit, the head is a packed linear weight for ``ghost_norm`` and ``clip``
+    (ghost here), and the training graph holds no (U+1, V, d) tensor; below, the op's per-slot
+    sums and the head's per-unit gradient as they are (``per-sample``)."""
+    from longshield_fx.packing import pack_documents
+    from oracles import PACKED_ROWS, PACKED_T, packed_model, packed_units
+
+    loss = packed_model("ref")
+    V, d = loss.lm.cfg.vocab_size, loss.lm.cfg.dim
+    engine = lf.compile(loss, config=lf.DPConfig(0.5, 1.0, loss_chunk=3 * PACKED_ROWS), packed_units=slots)
+    batch = pack_documents(packed_units(), seq_len=PACKED_T, rows=PACKED_ROWS, unit_slots=slots)[0][0]
+    lowered = engine.lower(*batch.tensors())
+    method = lowered.norm_methods["lm.lm_head.weight"]
+    op = next(n for n in lowered.gm.graph.nodes if n.target is LM_HEAD_LOSS)
+    dense = [n.name for n in lowered.gm.graph.nodes if tuple(getattr(n.meta.get("val"), "shape", ())) == (slots + 1, V, d)]
+    if slots == 8:
+        assert method.startswith("ghost") and not dense, (method, dense)
+        assert tuple(op.meta["val"][2].shape) == (PACKED_ROWS * PACKED_T, V)
+    else:
+        assert method.startswith("per-sample") and dense, method
+        assert tuple(op.meta["val"][2].shape) == (slots + 1, V, d)
