@@ -62,7 +62,8 @@ def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype,
     per_logit = work.itemsize + cast + (4 if h.dtype != torch.float32 else 0)
     sorted_copy = chunk_rows * (V + d_h) * 4 if slots else 0
     samples = slots or B
-    return chunk_rows * V * per_logit + sorted_copy + (samples * V * d * 4 if weight_grad and w.dtype != torch.float32 else 0)
+    accumulator = samples * V * d * 4 if weight_grad and w.dtype != torch.float32 else 0
+    return chunk_rows * V * per_logit + sorted_copy + accumulator
 
 
 @torch.library.custom_op("longshield::lm_head_loss", mutates_args=())
@@ -103,7 +104,8 @@ def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int,
     return loss, grad_h, head.result()
 
 
-def _chunk(hc: Tensor, wt: Tensor, y: Tensor, grad: Tensor, ignore_index: int, work: torch.dtype) -> tuple[Tensor, Tensor]:
+def _chunk(hc: Tensor, wt: Tensor, y: Tensor, grad: Tensor, ignore_index: int,
+           work: torch.dtype) -> tuple[Tensor, Tensor]:
     """One chunk's token losses (in ``work``) and logits' gradient (in hc's dtype)."""
     counted = y != ignore_index
     target = torch.where(counted, y, 0).unsqueeze(-1)

@@ -26,12 +26,15 @@ head's per-unit gradient takes one of two forms, by a cost rule (``_rows_form``)
   The cost rule is memory: rows when dz and the sorted hidden rows hold fewer values than the
   dense form, N·(V+d) < (U+1)·V·d. dz is N·V values in the compute dtype, the size of the
   whole batch's logits that the chunking otherwise never holds at once, kept from the op to
-  ``clip`` as the dense form would be; so the rows form never holds more than the dense one
-  (at llama3.2-1b's shapes, N = 8k tokens and U = 32: 2 GiB of bf16 dz and 32 MiB of h against
-  34 GiB). Few slots for many tokens (U + 1 < N·(V+d)/(V·d)) keep the dense form, smaller
-  there. Not under cp (no ``ghost_norm`` there; ``shard_grads`` reduce-scatters the dense form),
-  nor for a head tied to another weight (its per-unit gradient is then a sum with the other's,
-  which ``ghost_norm`` does not split: rows would only add dz's memory).
+  ``clip`` as the dense form would be; so the rows form never holds more values than the dense
+  one (at llama3.2-1b's shapes, N = 8k tokens and U = 32: 2 GiB of bf16 dz and 32 MiB of h
+  against 32 GiB of fp32). Few slots for many tokens (U + 1 ≤ N·(V+d)/(V·d): long rows, few
+  units) keep the dense form, smaller there (2 rows of 32k tokens at U = 8: 8.8 GiB against
+  15.7 GiB of bf16 dz). The two forms sum the same products in another order, so across that
+  crossover the head's gradients differ by float rounding; any two U above it give bitwise the
+  same values. Not under cp (no ``ghost_norm`` there; ``shard_grads`` reduce-scatters the dense
+  form), nor for a head tied to another weight (its per-unit gradient is then a sum with the
+  other's, which ``ghost_norm`` does not split: rows would only add dz's memory).
 
 Which position of h a loss term belongs to is found by replaying the chain between the
 logits and the NLL on an index tensor (arange over h's rows, the class dim of size 1), so

@@ -174,7 +174,8 @@ def test_packed_head_form_follows_the_cost_rule(slots):
     lowered = engine.lower(*batch.tensors())
     method = lowered.norm_methods["lm.lm_head.weight"]
     op = next(n for n in lowered.gm.graph.nodes if n.target is LM_HEAD_LOSS)
-    dense = [n.name for n in lowered.gm.graph.nodes if tuple(getattr(n.meta.get("val"), "shape", ())) == (slots + 1, V, d)]
+    dense = [n.name for n in lowered.gm.graph.nodes
+             if tuple(getattr(n.meta.get("val"), "shape", ())) == (slots + 1, V, d)]
     if slots == 8:
         assert method.startswith("ghost") and not dense, (method, dense)
         assert tuple(op.meta["val"][2].shape) == (PACKED_ROWS * PACKED_T, V)

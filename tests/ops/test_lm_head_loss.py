@@ -1,0 +1,67 @@
+"""longshield::lm_head_loss's packed forms against each other: the rows form (the logits'
+gradient sorted by unit) gives the same losses, hidden-state gradient and per-unit head
+gradients as the per-slot sums, and head_weight_grad the summed weight gradient."""
+import pytest
+import torch
+
+from longshield_fx.ops.lm_head_loss import head_weight_grad, lm_head_loss
+from longshield_fx.ops.segment import segment_outer
+
+B, T, d, V, U = 3, 10, 8, 16, 5
+
+
+def _inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(B, T, d, generator=g).to(dtype)
+    w = torch.randn(V, d, generator=g).to(dtype)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[0, 7:] = -100  # padding: slot U, no loss
+    labels[1, 2] = -100
+    grad = torch.rand(B, T, generator=g)
+    units = torch.randint(0, U, (B, T), generator=g)
+    units[0, 7:] = U
+    return h, w, labels, grad, units
+
+
+@pytest.mark.parametrize("chunk", [3, 10])
+def test_rows_sorted_by_unit_equal_the_per_slot_sums(chunk):
+    h, w, labels, grad, units = _inputs()
+    loss, grad_h, per_slot = lm_head_loss(h, w, labels, grad, chunk, -100, torch.float32, True, units, U + 1)
+    order = units.reshape(-1).argsort(stable=True)
+    loss_r, grad_h_r, rows = lm_head_loss(h, w, labels, grad, chunk, -100, torch.float32, True, None, 0, order)
+    assert torch.equal(loss_r, loss) and torch.equal(grad_h_r, grad_h)  # the same chunks, the same formulas
+    assert rows.shape == (B * T, V) and rows.dtype == h.dtype
+    h_sorted = h.reshape(-1, d)[order]
+    counts = torch.bincount(units.reshape(-1), minlength=U + 1)
+    torch.testing.assert_close(segment_outer(rows, h_sorted, counts), per_slot, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head_weight_grad(rows, h_sorted), per_slot.sum(0), rtol=1e-5, atol=1e-5)
+    # Each row is its position's logits' gradient: a position without a loss has a zero row.
+    position = order.tolist().index(1 * T + 2)
+    assert float(rows[position].abs().max()) == 0
+
+
+def test_bfloat16_rows_are_the_gradient_the_matmuls_read():
+    """In bf16 the rows are the logits' gradient cast to h's dtype (as the per-slot form casts it
+    before its matmuls), so both forms hold the same products, summed in another order."""
+    h, w, labels, grad, units = _inputs(torch.bfloat16)
+    order = units.reshape(-1).argsort(stable=True)
+    _, _, per_slot = lm_head_loss(h, w, labels, grad, 4, -100, torch.float32, True, units, U + 1)
+    _, _, rows = lm_head_loss(h, w, labels, grad, 4, -100, torch.float32, True, None, 0, order)
+    assert rows.dtype == torch.bfloat16
+    counts = torch.bincount(units.reshape(-1), minlength=U + 1)
+    ours = segment_outer(rows.float(), h.reshape(-1, d)[order].float(), counts)
+    torch.testing.assert_close(ours, per_slot.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_fake_shapes_match():
+    h, w, labels, grad, units = _inputs()
+    order = units.reshape(-1).argsort(stable=True)
+    torch.library.opcheck(lm_head_loss, (h, w, labels, grad, 4, -100, torch.float32, True, None, 0, order))
+    torch.library.opcheck(lm_head_loss, (h, w, labels, grad, 4, -100, torch.float32, True, units, U + 1))
+    torch.library.opcheck(head_weight_grad, (torch.randn(B * T, V), h.reshape(-1, d)))
+
+
+def test_the_rows_form_needs_the_weight_gradient():
+    h, w, labels, grad, units = _inputs()
+    with pytest.raises(ValueError, match="needs weight_grad"):
+        lm_head_loss(h, w, labels, grad, 4, -100, torch.float32, False, None, 0, torch.arange(B * T))
