@@ -265,7 +265,7 @@ class DPTrainerMixin:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._resuming = resume_from_checkpoint not in (None, False)
-        if self._resuming and self.engine is None:
+        if self._resuming:
             self._check_ledger(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -560,7 +560,7 @@ class DPTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self._record("checkpoint")
         lf.save_checkpoint(Path(output_dir) / ENGINE_FOLDER, self.engine, _inner(self.optimizer), self._sampler,
-                           run_dir=self.args.output_dir)
+                           run_dir=None)  # recorded just above, in every folder of the run's ledger
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
 

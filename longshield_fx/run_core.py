@@ -21,10 +21,12 @@ import math
 import os
 import re
 import unicodedata
+from collections import Counter
 from pathlib import Path
 
-__all__ = ["DELTA_RULE", "LEDGER", "PRIVACY_FILE", "RollbackRefused", "RunLedger", "calibrated_sigma",
-           "canonical_unit_id", "default_delta", "privacy_record", "write_privacy_record"]
+__all__ = ["DELTA_RULE", "LEDGER", "PRIVACY_FILE", "SAMPLE_RATE_CHOSEN", "SAMPLE_RATE_DERIVED", "RollbackRefused",
+           "RunLedger", "calibrated_sigma", "canonical_unit_id", "default_delta", "privacy_record", "stream_digest",
+           "write_privacy_record"]
 
 
 # Characters that render as nothing: a unit id typed or pasted with one is the same person's.
@@ -202,12 +204,14 @@ class RunLedger:
         added, branch.recorded = taken - branch.recorded, taken
         return added
 
-    def admit(self, state: dict | None, *, fork: bool, fork_hint: str, where: str) -> list | None:
+    def admit(self, state: dict | None, *, fork: bool, fork_hint: str, where: str) -> list:
         """Check a state about to be loaded (an engine ``state_dict``, or None for a fresh start)
         against the ledger; returns what other branches released, for
-        ``Engine.load_state_dict(released_elsewhere=...)`` (None: the ledger knows less than the
-        state, which then keeps its own account). Raises ``RollbackRefused`` for an older state
-        unless ``fork``; a fork's ledger lines are copied into every folder of this ledger."""
+        ``Engine.load_state_dict(released_elsewhere=...)``: the ledger's lines the state's own
+        history does not count, merged with the state's own account of other branches (each entry
+        as often as the larger of the two counts it: a ledger that lost lines never lowers ε).
+        Raises ``RollbackRefused`` for an older state unless ``fork``; the ledger's lines are
+        copied into every folder of this ledger."""
         records = self.records()
         accountant = (state or {}).get("accountant", {"history": []})
         steps = sum(int(n) for _, _, n in accountant["history"])
@@ -226,10 +230,9 @@ class RunLedger:
                 elsewhere.append((step, float(rec["sigma"]), float(rec["q"])))
             else:
                 elsewhere.append((None, float(rec["sigma"]), float(rec["q"])))
-        own = [tuple(e) for e in accountant.get("released_elsewhere", ())]
-        if len(records) < steps + len(own):
-            return None
-        return elsewhere
+        own = Counter((None if e[0] is None else int(e[0]), float(e[1]), float(e[2]))
+                      for e in accountant.get("released_elsewhere", ()))
+        return list((Counter(elsewhere) | own).elements())
 
     def refuse_older(self, step: int, newest: int | None = None, *, fork: bool, where: str, what: str,
                      fork_hint: str) -> None:

@@ -67,29 +67,29 @@ def test_a_fresh_engine_refuses_an_older_checkpoint_of_the_runs_folder_and_a_for
     run = tmp_path / "run"
     engine, opt, sampler = _run()
     _steps(engine, opt, sampler, 2)
-    lf.save_checkpoint(run / "step-2", engine, opt, sampler)
+    lf.save_checkpoint(run / "step-2", engine, opt, sampler, run_dir=run)
     _steps(engine, opt, sampler, 2)
-    lf.save_checkpoint(run / "step-4", engine, opt, sampler)
+    lf.save_checkpoint(run / "step-4", engine, opt, sampler, run_dir=run)
     ledger = [json.loads(line) for line in (run / LEDGER).read_text().splitlines()]
     assert [r["step"] for r in ledger] == [1, 2, 3, 4] and all("key" not in json.dumps(r) for r in ledger)
 
     fresh, opt2, sampler2 = _run()
     before = [p.detach().clone() for p in fresh.model.parameters()]
     with pytest.raises(RollbackRefused, match="records step 4, released, and this state is at step 2"):
-        lf.load_checkpoint(run / "step-2", fresh, opt2, sampler2)
+        lf.load_checkpoint(run / "step-2", fresh, opt2, sampler2, run_dir=run)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters()))  # nothing changed
     assert fresh.accountant.steps == 0 and sampler2.step == 0
 
-    lf.load_checkpoint(run / "step-2", fresh, opt2, sampler2, fork=True)
+    lf.load_checkpoint(run / "step-2", fresh, opt2, sampler2, run_dir=run, fork=True)
     assert fresh.epsilon(DELTA) == pytest.approx(_pld((SIGMA, 4)), rel=1e-6)  # both released branches' steps
     _steps(fresh, opt2, sampler2, 3)  # steps 3 and 4 again (the same batches), then 5
     assert fresh.epsilon(DELTA) == pytest.approx(_pld((SIGMA, 3), (SIGMA / 2 ** 0.5, 2)), rel=1e-6)
-    lf.save_checkpoint(run / "step-5", fresh, opt2, sampler2)
+    lf.save_checkpoint(run / "step-5", fresh, opt2, sampler2, run_dir=run)
     assert len((run / LEDGER).read_text().splitlines()) == 7
 
     # The same history through the ledger: the newest checkpoint loads without a fork, with ε intact.
     again, opt3, sampler3 = _run()
-    lf.load_checkpoint(run / "step-5", again, opt3, sampler3)
+    lf.load_checkpoint(run / "step-5", again, opt3, sampler3, run_dir=run)
     assert again.epsilon(DELTA) == pytest.approx(fresh.epsilon(DELTA), rel=1e-9)
 
 
@@ -112,3 +112,17 @@ def test_a_resume_into_another_folder_keeps_both_folders_ledgers_whole(tmp_path)
     moved.record(engine, sampler)
     for folder in ("a", "b"):
         assert RunLedger(tmp_path / folder).newest() == 3
+
+
+def test_a_ledger_that_lost_its_early_lines_still_counts_the_later_branch(tmp_path):
+    """The ledger holds only steps 3-4 (its first lines lost, or written by a run that had none
+    before): a fork from a state at step 2 still counts them, never fewer than the ledger shows."""
+    engine, opt, sampler = _run()
+    _steps(engine, opt, sampler, 2)
+    state = engine.state_dict(sampler)
+    _steps(engine, opt, sampler, 2)
+    RunLedger(tmp_path).record(engine, sampler)
+    ledger = tmp_path / LEDGER
+    ledger.write_text("".join(line + "\n" for line in ledger.read_text().splitlines() if json.loads(line)["step"] > 2))
+    elsewhere = RunLedger(tmp_path).admit(state, fork=True, fork_hint="fork", where="test")
+    assert sorted(elsewhere) == [(3, SIGMA, Q), (4, SIGMA, Q)]

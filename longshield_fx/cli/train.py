@@ -233,7 +233,7 @@ def train(args) -> int:
     _compile(job)
     if state is not None:
         _restore(job, state)
-    elif getattr(args, "fork", False):  # starting over in a folder whose ledger holds released steps
+    elif args.fork:  # starting over in a folder whose ledger holds released steps
         job.engine.accountant.released_elsewhere = job.ledger.admit(None, fork=True, fork_hint="add --fork",
                                                                     where="train")
     _open_run_dir(job)
@@ -415,9 +415,10 @@ def _decide_sigma(job: Job) -> dict | None:
     else:
         sigma = _calibrated_sigma(job)
     job.sigma, job.signature = sigma, make_signature(job, sigma)
-    if job.restart_if_same and _read_signature(job.run_dir) != job.signature:
-        raise CLIError(f"--out {job.run_dir} already holds {'another run' if _read_signature(job.run_dir) else 'a run'}'s "
-                       f"outputs ({', '.join(job.restart_if_same)}) and no checkpoint to continue from; nothing was "
+    before = _read_signature(job.run_dir) if job.restart_if_same else None
+    if job.restart_if_same and before != job.signature:
+        raise CLIError(f"--out {job.run_dir} already holds {'another run' if before else 'a run'}'s outputs "
+                       f"({', '.join(job.restart_if_same)}) and no checkpoint to continue from; nothing was "
                        "changed: pass a new --out")
     _check_ledger(job, state)
     if job.restart_if_same:
@@ -635,9 +636,9 @@ def save_checkpoint(job: Job, step: int) -> None:
     folder = checkpoint_dir(job.run_dir)
     if job.fsdp:
         dcp_name = f"ckpt-{step:08d}.dcp"
-        if job.rank0:
-            job.ledger.record(job.engine, job.batches, "checkpoint")
-        lf.save_checkpoint(folder / dcp_name, job.engine, job.opt, job.batches, run_dir=job.run_dir)
+        # The ledger is written once the shards are (before the .pt that names them, below): a save
+        # cut by a kill leaves a DCP folder no load reads, whose steps a restart redraws freely.
+        lf.save_checkpoint(folder / dcp_name, job.engine, job.opt, job.batches, run_dir=None)
         dist.barrier()
         held = {"dcp": dcp_name, "model": None, "optimizer": None, "sampler": None, "engine": None}
     elif job.rank0:

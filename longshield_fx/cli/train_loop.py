@@ -40,7 +40,9 @@ def run_steps(job: Job) -> None:
             except RuntimeError as e:  # a collective that timed out (init_process_group's timeout), or any other
                 raise RuntimeError(f"step {step}: {e}") from e
             if job.eval_set is not None and (step % args.eval_every == 0 or step == args.steps):
-                if job.rank0:  # the held-out loss is a function of the model: the steps leave with it
+                # The held-out loss is a function of the model, covered by ε: its steps leave with it. The
+                # training loss of each metrics row is not covered (it reads the private batch unnoised).
+                if job.rank0:
                     job.ledger.record(job.engine, job.batches, "evaluation")
                 row[NOT_COVERED].update(_evaluate_on_rank0(job))
             job.rows.append(row)
@@ -214,7 +216,7 @@ def privacy_record(job: Job) -> dict:
                   lora=job.model_desc.get("lora"))
 
 
-def _write_outputs(job: Job, summary_: dict, eps: float) -> str:
+def _write_outputs(job: Job, summary_: dict) -> str:
     """Rank 0: final model (and its Hugging Face folder), privacy.json, the loss-vs-ε plot,
     summary.json; returns the list of written files."""
     from ..tools.plots import loss_vs_epsilon
@@ -252,7 +254,7 @@ def finish(job: Job) -> int:
         return 0
     eps = job.engine.epsilon(job.delta)
     summary_ = summary(job, eps, loop, wall, startup)
-    written = _write_outputs(job, summary_, eps)
+    written = _write_outputs(job, summary_)
     _, k, first, last = _loss_summary(job.rows)
     private = summary_[NOT_COVERED]
     speed = f"{loop / max(1, args.steps - job.start_step):.2f} s/step (timings trace the batch sizes: NOT covered by DP)"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter, defaultdict
 import math
 import numbers
 from typing import TYPE_CHECKING, Any
@@ -220,16 +221,16 @@ class PrivacyAccountant:
 
     def _composed_runs(self) -> list[tuple[float, float, int]]:
         """This history with ``released_elsewhere`` merged in, as (sigma, q, count) runs."""
-        from collections import Counter, defaultdict
-
+        mine = self.step_parameters(1, self._num_steps)
         again = defaultdict(list)
         counts: Counter = Counter()
         for step, s, q in self._elsewhere:
-            if step is not None and step <= self._num_steps:
+            # One subsampled batch only where the draw can be the same: this branch's step, at its q.
+            if step is not None and step <= self._num_steps and mine[step - 1][1] == q:
                 again[step].append(s)
             else:  # an independent draw, or a step this branch has not redrawn (yet)
                 counts[(s, q)] += 1
-        for step, (s, q) in enumerate(self.step_parameters(1, self._num_steps), 1):
+        for step, (s, q) in enumerate(mine, 1):
             sigmas = [s, *again.get(step, ())]
             counts[(0.0 if 0.0 in sigmas else sum(x ** -2 for x in sigmas) ** -0.5, q)] += 1
         return [(s, q, n) for (s, q), n in counts.items()]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -24,20 +23,22 @@ import torch
 # this module: 0.7 s of every process's start, for runs that never write a DCP checkpoint.
 
 
-def save(path, engine, optimizer, sampler=None, *, run_dir=None) -> None:
+def save(path, engine, optimizer, sampler=None, *, run_dir) -> None:
     """Write ``engine``'s model, ``optimizer`` and engine state (and ``sampler``'s) to the
     folder ``path``; every rank of the run calls it. Save between ``finalize`` and the next
     ``accumulate``. First the steps taken since the last save go into the run ledger of
-    ``run_dir`` (default: the folder that holds ``path``, where a run's checkpoints live side by
-    side; ``run_core.RunLedger``), fsync'd, by rank 0."""
+    ``run_dir``, the run's folder (``run_core.RunLedger``), fsync'd, by rank 0. It has no default:
+    a folder guessed from ``path`` would give each checkpoint of a one-folder-per-checkpoint
+    layout a ledger of its own, which an older checkpoint would pass. ``run_dir=None``: the
+    caller keeps the ledger itself (the CLI records once the checkpoint is whole)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from ..run_core import RunLedger
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        RunLedger(run_dir if run_dir is not None else Path(path).parent).record(engine, sampler, "checkpoint")
+    if run_dir is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        RunLedger(run_dir).record(engine, sampler, "checkpoint")
     model_state, optimizer_state = get_state_dict(engine.model, optimizer)
     blob = io.BytesIO()
     torch.save(engine.state_dict(sampler), blob)
@@ -46,14 +47,14 @@ def save(path, engine, optimizer, sampler=None, *, run_dir=None) -> None:
                  checkpoint_id=str(path))
 
 
-def load(path, engine, optimizer, sampler=None, *, fork: bool = False, run_dir=None) -> None:
+def load(path, engine, optimizer, sampler=None, *, run_dir, fork: bool = False) -> None:
     """Restore what ``save`` wrote into ``engine``'s model, ``optimizer`` and the engine (and
     ``sampler``), whatever the mesh and sharding of the run that saved it. Every rank calls
     it, after ``compile`` and after building the optimizer over ``engine.model``'s parameters.
 
-    A checkpoint older than the newest step in the run ledger of ``run_dir`` (default: the
-    folder that holds ``path``) is refused, before anything is changed, unless ``fork=True``:
-    the fork's ε then covers every step in the ledger (``run_core.RunLedger``)."""
+    A checkpoint older than the newest step in the run ledger of ``run_dir`` (the run's folder,
+    as given to ``save``) is refused, before anything is changed, unless ``fork=True``: the
+    fork's ε then covers every step in the ledger (``run_core.RunLedger``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -63,7 +64,7 @@ def load(path, engine, optimizer, sampler=None, *, fork: bool = False, run_dir=N
     with _one_process_is_meant():
         dcp.load(engine_only, checkpoint_id=str(path))
     engine_state = torch.load(io.BytesIO(engine_only["engine"]), weights_only=True)
-    elsewhere = RunLedger(run_dir if run_dir is not None else Path(path).parent).admit(
+    elsewhere = RunLedger(run_dir).admit(
         engine_state, fork=fork, fork_hint="pass fork=True", where=f"load_checkpoint({path})")
     model_state, optimizer_state = get_state_dict(engine.model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}

@@ -204,7 +204,7 @@ def dcp_save(out_dir: str) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), **DCP_OPTIMIZER)
     _dcp_step(engine, optimizer, [case_batches("llama", 2)[dp_rank]])
     path = os.path.join(out_dir, "dcp")
-    lf.save_checkpoint(path, engine, optimizer)
+    lf.save_checkpoint(path, engine, optimizer, run_dir=out_dir)
     saved_optimizer = optimizer_state(model, optimizer)
     _dcp_step(engine, optimizer, [case_batches("llama", 2, first_seed=DCP_SECOND_BATCHES)[dp_rank]])
     out = {"path": path, "optimizer_saved": saved_optimizer, "after": {n: full(p) for n, p in model.named_parameters()}}
@@ -213,7 +213,8 @@ def dcp_save(out_dir: str) -> dict:
     noisy = lf.compile(noisy_model, mesh, config=DCP_NOISE, fsdp=("dp", "cp"))
     _noise_step(noisy, case_batches("llama", 1)[0])
     out["noise_path"] = os.path.join(out_dir, "dcp_noisy")
-    lf.save_checkpoint(out["noise_path"], noisy, torch.optim.SGD(noisy_model.parameters(), lr=CP_LR))
+    lf.save_checkpoint(out["noise_path"], noisy, torch.optim.SGD(noisy_model.parameters(), lr=CP_LR),
+                       run_dir=out["noise_path"] + ".run")
     out["noise_local"] = local_shards(noisy_model, "grad")  # this shard's draws before the save
     out["noise_index"] = noisy.sharding.index
     out["noise_key"] = noisy._noise.stream.key  # not in the checkpoint: for the resume's control
@@ -233,7 +234,7 @@ def dcp_resume(path: str, noise_path: str) -> dict:
     model = case_model("llama")
     engine = lf.compile(model, mesh, config=lf.DPConfig(CP_CLIP, 0.0), fsdp=("cp",))
     optimizer = torch.optim.AdamW(model.parameters(), **DCP_OPTIMIZER)
-    lf.load_checkpoint(path, engine, optimizer)
+    lf.load_checkpoint(path, engine, optimizer, run_dir=os.path.dirname(path))
     out = {"steps_loaded": engine.accountant.steps, "optimizer_loaded": optimizer_state(model, optimizer)}
     second = case_batches("llama", 2, first_seed=DCP_SECOND_BATCHES)
     loaded_params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -247,7 +248,8 @@ def dcp_resume(path: str, noise_path: str) -> dict:
 
     noisy_model = dcp_noisy_model()
     noisy = lf.compile(noisy_model, mesh, config=DCP_NOISE, fsdp=("cp",))
-    lf.load_checkpoint(noise_path, noisy, torch.optim.SGD(noisy_model.parameters(), lr=CP_LR))
+    lf.load_checkpoint(noise_path, noisy, torch.optim.SGD(noisy_model.parameters(), lr=CP_LR),
+                       run_dir=noise_path + ".run")
     saved_key = torch.load(noise_path + ".key")
     out["noise_key_is_fresh"] = noisy._noise.stream.key != saved_key and noisy._noise.stream.draws == 0
     _noise_step(noisy, case_batches("llama", 1)[0])
