@@ -126,3 +126,29 @@ def test_a_restored_sampler_draws_what_the_uninterrupted_one_draws():
     assert len(rest) == 4
     for got, want in zip(rest, whole[2:]):
         assert len(got) == len(want) and all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+
+@pytest.mark.parametrize("E, mean_rows_of_R", [(64, 1 / 6), (64, 1 / 3), (256, 1 / 6), (256, 1 / 2), (256, 1.0)])
+def test_the_clis_packed_rows_leave_under_5_percent_padding_from_64_units(E, mean_rows_of_R):
+    """``packed_rows``: b·R rows with b = E // 128 in [1, B]. Units of whole rows (no padding
+    within rows), a mean of R/6 to R rows each, Poisson draws: the padding left (each unit whole
+    in one physical batch, the last batch of a logical batch partly filled) stays under 5%."""
+    from longshield_fx.packing import packed_rows
+
+    assert [packed_rows(8, 4, E) for E in (8, 127, 128, 256, 384, 10_000)] == [8, 8, 8, 16, 24, 32]
+    assert packed_rows(1, 4, 8) == 2 and packed_rows(32, 1, 1000) == 32
+    seq_len, R, B, n = 8, 12, 4, 4 * E
+    g = torch.Generator().manual_seed(3)
+    mean = max(1.0, mean_rows_of_R * R)
+    rows_of = (torch.rand(n, generator=g) * 2 * mean).round().clamp(1, R).long().tolist()
+    units = [[[1] * seq_len for _ in range(r)] for r in rows_of]
+    rows = packed_rows(R, B, E)
+    sampler = PackedPoissonBatches(units, E / n, seq_len=seq_len, rows=rows, unit_slots=4 * rows,
+                                   insecure_seed=1, steps=20)
+    slots = real = 0
+    for batch in sampler:
+        for (ids, labels, positions, unit), _ in batch.physical:
+            slots += ids.numel()
+            real += int((unit < 4 * rows).sum())
+    assert 1 - real / slots < 0.05, 1 - real / slots

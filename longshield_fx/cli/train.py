@@ -486,15 +486,16 @@ def _compile(job: Job, dataset=None) -> None:
 
 
 def _compile_packed(job: Job, config, checkpoint) -> None:
-    """Packed documents: physical batches of B·R rows (the memory of B padded units) holding up
-    to 4·B·R units, Poisson sampling over units (``packing.PackedPoissonBatches``)."""
+    """Packed documents: physical batches of at most B·R rows (the memory of B padded units,
+    fewer while E is small: ``packing.packed_rows``) holding up to 4 units per row, Poisson
+    sampling over units (``packing.PackedPoissonBatches``)."""
     import longshield_fx as lf
 
     from ..errors import UnsupportedModelError
-    from ..packing import PackedPoissonBatches, empty_batch, unit_slots_for
+    from ..packing import PackedPoissonBatches, empty_batch, packed_rows, unit_slots_for
 
     args = job.args
-    rows = max(2, args.physical_batch_size * job.corpus.rows_per_unit)  # one row would run as two: refused
+    rows = packed_rows(job.corpus.rows_per_unit, args.physical_batch_size, job.q * job.corpus.num_units)
     job.unit_slots = unit_slots_for(rows)
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
                             fsdp=job.fsdp, packed_units=job.unit_slots)

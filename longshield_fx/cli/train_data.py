@@ -29,9 +29,9 @@ def add_data_args(p) -> None:
                    "unit is padded to the longest unit's rows, at most R")
     p.add_argument("--no-pack", action="store_true",
                    help="keep each privacy unit in R padded rows of its own (--max-rows) instead of packing several "
-                   "units' rows into each row of a physical batch of B·R rows (the default with --data on one "
-                   "process: far less padding; each unit is still one sample, clipped alone, and no token attends "
-                   "across units), also over --cp and data-parallel ranks. With --fsdp the padded layout is used (said)")
+                   "units' rows into each row of a physical batch of at most B·R rows (the default with --data: "
+                   "far less padding; each unit is still one sample, clipped alone, and no token attends across "
+                   "units), also over --cp, data-parallel ranks and --fsdp")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--eval-data", metavar="PATH", default=None,
                    help="held-out documents (same formats as --data) evaluated during training (default: none)")
