@@ -16,6 +16,8 @@ private API                                                        why
 ``torch._dynamo.config`` ``allow_rnn``, ``torch._C._set_mkldnn_enabled``  nn.RNN/GRU/LSTM traced and decomposed
 ``torch._dynamo.variables.tensor.TensorVariable.var_getattr``        a buffer's ``persistent`` flag readable
                                                                    during capture (``_buffer_flags_readable``)
+``torch._dynamo.variables.functions.SkipFunctionVariable``           pack/pad_packed_sequence traced as fixed-
+``torch._dynamo.variables.UserFunctionVariable``                     shape stand-ins (``_packing_traced``)
 ``torch._subclasses.fake_tensor.FakeTensorMode``, ``FakeTensor``     fake models (planner, tests); the packed
                                                                    isolation probe skips fake batches
 ``torch._ops.OpOverload``                                            "is this an aten overload with tags"
@@ -110,13 +112,13 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True,
                                     allow_rnn=True), \
             _without_onednn(), _use_lazy_graph_module(True), \
-            fx_traceback.preserve_node_meta(), _buffer_flags_readable():
+            fx_traceback.preserve_node_meta(), _buffer_flags_readable(), _packing_traced():
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 dynamo_gm = dynamo_graph_capture_for_export(model)(*example_batch)
         except torch._dynamo.exc.TorchDynamoException as e:
-            raise CaptureError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
+            raise CaptureError(_graph_break(e)) from e
         for w in caught:
             if not _only_output_collector(str(w.message)):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -128,6 +130,26 @@ def export_joint(model: torch.nn.Module, example_batch: tuple) -> tuple[fx.Graph
         joint = aot_export_joint_with_descriptors(stack, dynamo_gm, tuple(example_batch))
     joint.graph_module.meta[GUARDS] = guards
     return joint.graph_module, joint.fake_mode
+
+
+def _graph_break(e: Exception) -> str:
+    """What broke dynamo's trace, in one line: its kind, the function or op it names (its
+    "Explanation"), and the user's line that called it ("from user code"). The first line of
+    dynamo's message alone names nothing ("Attempted to call function marked as skipped")."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    lines = text.splitlines()
+    parts = [lines[0].strip()]
+    explanation = next((ln.strip().removeprefix("Explanation:").strip().rstrip(".") for ln in lines
+                        if ln.strip().startswith("Explanation:")), None)
+    if explanation:
+        parts.append(explanation)
+    frame = (getattr(e, "real_stack", None) or [None])[-1]
+    if frame is not None:
+        where = f"at {frame.filename}:{frame.lineno}, in {frame.name}"
+        parts.append(f"{where}: `{frame.line.strip()}`" if frame.line else where)
+    return "; ".join(parts)
 
 
 def _only_output_collector(message: str) -> bool:
@@ -177,6 +199,35 @@ def _buffer_flags_readable():
         yield
     finally:
         TensorVariable.var_getattr = original
+
+
+@contextlib.contextmanager
+def _packing_traced():
+    """Dynamo skips ``torch.nn.utils.rnn.pack_padded_sequence`` and ``pad_packed_sequence``
+    (``SkipFunctionVariable``: a graph break, which a capture cannot take). While capturing they
+    are traced as their fixed-shape stand-ins in ``_packed_rnn`` (the padded batch and each
+    sample's length), whichever name the forward calls them by."""
+    from torch._dynamo.variables import UserFunctionVariable
+    from torch._dynamo.variables.functions import SkipFunctionVariable
+    from torch.nn.utils import rnn
+
+    from . import _packed_rnn
+
+    stand_ins = {rnn.pack_padded_sequence: _packed_rnn.pack_padded_sequence,
+                 rnn.pad_packed_sequence: _packed_rnn.pad_packed_sequence}
+    original = SkipFunctionVariable.call_function
+
+    def call_function(self, tx, args, kwargs):
+        stand_in = stand_ins.get(self.value)
+        if stand_in is not None:
+            return UserFunctionVariable(stand_in).call_function(tx, args, kwargs)
+        return original(self, tx, args, kwargs)
+
+    SkipFunctionVariable.call_function = call_function
+    try:
+        yield
+    finally:
+        SkipFunctionVariable.call_function = original
 
 
 class DynamoGuards:

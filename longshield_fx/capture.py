@@ -23,7 +23,8 @@ import torch.fx as fx
 from torch import nn
 
 from ._torch import CaptureError, OpOverload, descriptors as d, export_joint, graph_module
-from ._transformers import for_capture
+from ._fixed_shape_forwards import for_capture
+from ._packed_rnn import packed_rnns
 from .errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -96,12 +97,13 @@ def capture(model: nn.Module, example_batch: tuple) -> CapturedGraph:
     # on the live model is avoided: we only read it.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     try:
-        with for_capture(model):
+        with for_capture(model), packed_rnns(model):
             gm, fake_mode = export_joint(model, example_batch)
     except CaptureError as e:
         raise UnsupportedModelError(
-            f"capture: the forward cannot be traced into one graph ({e}). Way out: make the forward "
-            "traceable without graph breaks (torch.compile(fullgraph=True) shows the same error)") from e
+            f"capture: the forward cannot be traced into one graph: {e}. Way out: replace or remove that call "
+            "(a data-dependent shape, a skipped or untraceable function) so that the forward traces without "
+            "graph breaks; torch.compile(fullgraph=True) shows the same break") from e
     return _flatten(gm, fake_mode, trainable, _aliases(model))
 
 
@@ -169,12 +171,24 @@ def _flatten(gm: fx.GraphModule, fake_mode, trainable: set[str], aliases: dict[s
                                         partitioner_tag="is_backward")
     # Frozen parameters: the aot export already gives them no gradient (None output).
     graph._codegen = fx.graph.CodeGen()
+    _tag_custom_backward(graph)
     _reshape_where_meta_strides_differ(graph)
     output.args = ((loss, *[grads[n] for n in param_names]),)
     output.meta.pop("desc", None)
     graph.eliminate_dead_code()
     gm.recompile()
     return CapturedGraph(gm, fake_mode, inputs, param_names, dict(grads), mutated)
+
+
+def _tag_custom_backward(graph: fx.Graph) -> None:
+    """The backward of a ``torch.autograd.Function`` comes out of the export without a
+    ``partitioner_tag``; a node that reads a backward node is backward too. Untagged, the sum
+    over the batch that such a backward makes for a parameter's gradient would read as the
+    forward mixing samples, where it is a weight-gradient reduction like any other."""
+    for node in graph.nodes:
+        if node.op == "call_function" and "partitioner_tag" not in node.meta \
+                and any(a.meta.get("partitioner_tag") == "is_backward" for a in node.all_input_nodes):
+            node.meta["partitioner_tag"] = "is_backward"
 
 
 def _reshape_where_meta_strides_differ(graph: fx.Graph) -> None:
@@ -202,6 +216,14 @@ def _layout_is_ambiguous(node: fx.Node, uncertain: set) -> bool:
     if not isinstance(out, torch.Tensor) or not (torch.Tag.pointwise in node.target.tags
                                                  or node.target._schema.name.endswith("_backward")):
         return False
+    if _data_dependent(out) or any(_data_dependent(a.meta.get("val")) for a in node.all_input_nodes):
+        return True  # sizes known only at run time (x[mask]): a reshape is right whatever the layout
     full_size = [a for a in node.all_input_nodes
                  if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == out.shape]
     return any(a in uncertain for a in full_size) or len({a.meta["val"].stride() for a in full_size}) > 1
+
+
+def _data_dependent(v) -> bool:
+    """A fake tensor with a size or stride that is a symbol (an unbacked size such as x[mask]'s):
+    comparing it would ask for a guard on data the capture does not have."""
+    return isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))

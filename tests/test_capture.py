@@ -104,7 +104,7 @@ def _longcat_experts(zero_experts: int):
 def test_longcat_flash_fixed_shape_experts_equal_the_eager_loop(zero_experts):
     """The capture's stand-in for LongCat-Flash's eager expert loop: same output and gradients
     (zero experts pass their input through; experts no token chose get exactly zero)."""
-    from longshield_fx._transformers import fixed_shape_experts
+    from longshield_fx._fixed_shape_forwards import fixed_shape_experts
     experts = _longcat_experts(zero_experts)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(7, 6, generator=g, dtype=torch.float64, requires_grad=True)
@@ -133,7 +133,7 @@ def test_jetmoe_fixed_shape_experts_equal_the_sort_and_group():
     """The capture's stand-in for JetMoE's sort-and-group experts (MLP experts, and the attention
     experts' map / reduce): same outputs and gradients, an expert no token chose included."""
     import transformers
-    from longshield_fx._transformers import fixed_shape_experts
+    from longshield_fx._fixed_shape_forwards import fixed_shape_experts
     from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoA, JetMoeMoE
     cfg = transformers.JetMoeConfig(hidden_size=6, intermediate_size=5, num_local_experts=4, num_experts_per_tok=2,
                                     kv_channels=2, num_key_value_heads=2)
@@ -170,7 +170,7 @@ def test_xmod_language_adapters_without_moving_rows_equal_the_eager_masking():
     """The capture's stand-in for X-MOD's language adapters (rows gathered by a boolean mask over
     the batch, written back): same output and gradients, each row through its own language's."""
     import transformers
-    from longshield_fx._transformers import fixed_shape_experts
+    from longshield_fx._fixed_shape_forwards import fixed_shape_experts
     from transformers.models.xmod.modeling_xmod import XmodOutput
     cfg = transformers.XmodConfig(hidden_size=8, intermediate_size=12, languages=["en_XX", "de_DE", "fr_XX"],
                                   hidden_dropout_prob=0.0)
@@ -217,3 +217,22 @@ def test_only_transformers_output_collector_side_effect_is_silenced():
         warnings.simplefilter("always")
         lf.compile(model).per_sample_grads(ids, ids)
     assert not [w for w in caught if "side effects" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_a_graph_break_is_refused_naming_the_call_that_broke_it_and_a_way_out():
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            y = self.lin(x)
+            if y.sum() > 0:  # data-dependent control flow
+                y = y * 2
+            return y.sum(1)
+
+    with pytest.raises(lf.UnsupportedModelError) as caught:
+        capture(Branchy(), (torch.randn(2, 3),))
+    message = str(caught.value)
+    assert "cannot be traced into one graph" in message and "Way out" in message
+    assert "Data-dependent branching" in message and "if y.sum() > 0" in message and "test_capture.py" in message

@@ -22,6 +22,11 @@ from .batch_dims import (BatchDim, Mixing, RowPosition, batch_dim, no_rule, regi
 aten = torch.ops.aten
 
 _MOVES_ROWS = "it moves rows along the batch dimension, so row i holds the record of another row"
+_FLATTENS_ROWS = ("a boolean mask over the batch dimension (x[mask]) flattens every sample's kept entries into one "
+                  "list, so where a sample's entries land depends on the other samples (as the flat ids and offsets "
+                  "of an EmbeddingBag built from x[mask] and cumsum do). Keep the batch dimension instead: mask by "
+                  "multiplying or torch.where, and give nn.EmbeddingBag a (B, n) input padded with padding_idx, one "
+                  "bag per sample")
 
 
 @register_batch_rule(aten.index_select.default, aligned=weights_only)
@@ -171,6 +176,8 @@ def _index_tag(node, B) -> BatchDim | None:
     from_index = {BatchDim(layout.index_dim(t, batch_dim(t).dim), batch_dim(t).inner) for t in tagged}
     if tag is not None and tag.dim in layout.indexed:
         identity = indices[tag.dim]
+        if val(identity).dtype == torch.bool:
+            raise RowPosition(_FLATTENS_ROWS)
         if tag.inner != 1 or not _is_own_arange(identity, B):
             raise RowPosition(_MOVES_ROWS)
         from_index.add(BatchDim(layout.index_dim(identity, 0), 1))

@@ -265,6 +265,9 @@ def _index_put(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     table, indices, values = node.args[:3]
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
     ids = indices[0] if len(indices) == 1 else None
+    if accumulate and ids is not None and batch_dim(ids) is None and ids not in rw.batch_derived \
+            and batch_dim(values) is None and table.target in _ZEROS:
+        return _shared_rows(rw, node, ids, values)
     if accumulate and ids is not None and batch_dim(ids) is None and batch_dim(values) is not None \
             and batch_dim(values).dim < val(ids).dim() and val(ids).shape == val(values).shape[:val(ids).dim()]:
         ids = _tagged_copy(rw, ids, batch_dim(values))
@@ -283,6 +286,20 @@ def _index_put(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     n = val(ids_u).numel() // rw.B
     rows = (rw.rows(ids_u, [rw.B, n]), rw.rows(values_u, [rw.B, n, *val(node).shape[1:]]))
     return rw.add(base, PerSampleGrad(tuple(val(node).shape), None, (rows,)))
+
+
+def _shared_rows(rw: Rewriter, node: fx.Node, ids: fx.Node, values: fx.Node) -> PerSampleGrad:
+    """A table read at ids shared by every sample (``pos[arange(T)]`` broadcast over the batch):
+    the gradient rows were summed over the batch before the index_put adds them at the ids, so
+    each sample's rows (the per-sample form of ``values``) go to the same ids."""
+    if val(values).shape[:val(ids).dim()] != val(ids).shape:
+        raise UnsupportedModelError(
+            f"parameter {rw.param!r}: {node.name} adds gradient rows that do not pair one to one with its "
+            "indices. Way out: freeze the parameter.")
+    n = val(ids).numel()
+    rows = rw.view(rw.densify(rw.rep(values)), [rw.B, n, *val(node).shape[1:]])
+    shared = rw.call(aten.expand.default, rw.call(aten.view.default, ids, [1, n]), [rw.B, n])
+    return PerSampleGrad(tuple(val(node).shape), None, ((shared, rows),))
 
 
 @per_sample_rule((aten.convolution_backward.default, 1), (aten.convolution_backward.default, 2), name="conv")
@@ -395,6 +412,29 @@ def _slice_backward(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     grad, sizes, dim, *rest = node.args
     x = rw.densify(rw.rep(grad))
     return _dense(rw, node, rw.call(node.target, x, [rw.B, *sizes], dim % len(sizes) + 1, *rest))
+
+
+@per_sample_rule(aten.diagonal.default, name="view")
+def _diagonal(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """A parameter used through ``diag(v)``: its gradient is the diagonal of the (n, n) one."""
+    x = rw.densify(rw.rep(node.args[0]))
+    rank = val(node.args[0]).dim()
+    offset, dim1, dim2 = (list(node.args[1:]) + [0, 0, 1][len(node.args) - 1:])[:3]
+    return _dense(rw, node, rw.call(aten.diagonal.default, x, offset, dim1 % rank + 1, dim2 % rank + 1))
+
+
+@per_sample_rule(aten.diagonal_backward.default, aten.diag_embed.default, name="view")
+def _diagonal_backward(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
+    """A parameter used through ``diagonal(W)``: its gradient set on the diagonal of zeros
+    (``diag_embed``: a vector's gradient written along a new diagonal)."""
+    x = rw.densify(rw.rep(node.args[0]))
+    if node.target == aten.diagonal_backward.default:
+        grad, sizes, offset, dim1, dim2 = node.args
+        rank = len(sizes)
+        return _dense(rw, node, rw.call(node.target, x, [rw.B, *sizes], offset, dim1 % rank + 1, dim2 % rank + 1))
+    rank = val(node).dim()
+    offset, dim1, dim2 = (list(node.args[1:]) + [0, -2, -1][len(node.args) - 1:])[:3]
+    return _dense(rw, node, rw.call(node.target, x, offset, dim1 % rank + 1, dim2 % rank + 1))
 
 
 @per_sample_rule(aten.expand.default, name="view")
