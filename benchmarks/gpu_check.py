@@ -474,7 +474,7 @@ def ring_merge_exactness(device) -> None:
     log-sum-exp, and each block's backward given the merged out and lse, as the ring's backward
     is; bf16, with flash's kernels (what the ring runs) and cuDNN's (on Hopper), against float64
     on the CPU. cuDNN may take the ring's blocks once its errors here equal flash's."""
-    from longshield_fx.ops import ring_attention as ra
+    from longshield_fx.ops import attention_kernels as ra
     B, H, c, D = 2, 8, 512, 64
     scale = D**-0.5
     g = torch.Generator().manual_seed(1)

@@ -39,7 +39,7 @@ import torch
 import longshield_fx as lf
 from longshield_fx.data import LogicalBatch
 from longshield_fx.losses import document_segments
-from longshield_fx.ops.ring_attention import pairs_skipped
+from longshield_fx.ops.ring_schedule import pairs_skipped
 from longshield_fx.models.llama import Llama
 from longshield_fx.packing import pack_documents, unit_pieces
 from longshield_fx.runtime.accounting import PrivacyAccountant

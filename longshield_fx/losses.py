@@ -128,7 +128,7 @@ class ShardedPackedCausalLMLoss(nn.Module):
     (``longshield::ring_attention`` with the segment ids), which the ``context_parallel`` pass
     gives the ring: the reference ``Llama`` calls it itself; a Hugging Face model attends
     through ``_hf_document_attention``, registered with transformers as
-    ``capture_attention``, which the capture swaps in (``_transformers.for_capture``; its own
+    ``capture_attention``, which the capture swaps in (``_fixed_shape_forwards.for_capture``; its own
     mask would be a (T, T) one that a shard cannot build). ``units`` is for the passes (each
     token's unit slot). Summing over cp ranks gives ``PackedCausalLMLoss``'s value.
     """

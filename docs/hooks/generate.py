@@ -33,17 +33,19 @@ def api_markdown() -> str:
 
 
 def _hf_blocks() -> list[str]:
-    """One block per name of ``longshield_fx.hf.__all__``, read from its source (importing it
-    imports transformers). A class made on first access (``DPSFTTrainer``, which needs trl) is
+    """One block per name of ``longshield_fx.hf.__all__``, read from the package's
+    ``__init__.py`` (importing it imports transformers); a name it imports is rendered from its
+    module. A class made on first access (``DPSFTTrainer``, which needs trl) is
     not visible to mkdocstrings: its heading and docstring are written out here."""
     import ast
 
     import longshield_fx
 
-    tree = ast.parse((pathlib.Path(longshield_fx.__file__).parent / "hf.py").read_text())
+    tree = ast.parse((pathlib.Path(longshield_fx.__file__).parent / "hf" / "__init__.py").read_text())
     names = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
                  and any(getattr(t, "id", None) == "__all__" for t in node.targets))
     top = {node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    top |= {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom) for alias in node.names}
     nested = {node.name: ast.get_docstring(node) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
     return [f"::: longshield_fx.hf.{name}" if name in top else
             f"## `longshield_fx.hf.{name}` {{#longshield_fx.hf.{name}}}\n\n{nested[name]}" for name in names]

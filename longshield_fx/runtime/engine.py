@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import gc
 import logging
-import os
 import warnings
 
 import torch
 from torch import nn
 
 from .._torch import GUARDS, gloo_worker_threads
-from .._transformers import for_capture
+from .._fixed_shape_forwards import for_capture
 from ..capture import capture
 from ..config import DPConfig
 from ..data import LogicalBatch
@@ -25,7 +23,9 @@ from ..errors import UnsupportedModelError
 from ..passes import Lowered, PassContext, format_log, lower, pipeline
 from ..passes._graph import val
 from .accounting import PrivacyAccountant
-from .noise import NoiseGenerator, broadcast_key, key_from_insecure_seed
+from .engine_checks import (check_no_forward_holds_a_module, check_units_apart, fixed_batch_shapes,
+                            held_unit_slots)
+from .engine_state import CheckpointState, new_ledger_branch
 from .fsdp import Sharding
 from .guards import describe_change, fingerprint
 from .parallel import Parallel
@@ -33,12 +33,6 @@ from .traces import keep_trace, shared_trace, trace, trace_key
 
 log = logging.getLogger(__name__)
 _RECAPTURE_WARNING = 8  # the capture of one graph that warns of repeated recaptures (as dynamo's recompile_limit)
-# The packed isolation probe (Engine._check_units_apart): a unit's norm may move, when only another
-# unit's tokens change, by this many times the most it moves between runs of the same batch (four
-# samples), and never by more than the ceiling. For Gaussian jitter that refuses a correct model in
-# fewer than 1 in 1000 captures. A leak that moves a norm by less is not told apart from the jitter.
-_JITTER_MARGIN = 10.0
-_JITTER_CEILING = 1e-3
 
 
 def _threaded_gloo(mesh) -> bool:
@@ -61,7 +55,7 @@ def _fewer_gc_passes():
         gc.set_threshold(*thresholds)
 
 
-class Engine:
+class Engine(CheckpointState):
     """A compiled DP training step. Made by ``longshield_fx.compile``.
 
     Capture happens at the first call, with that batch's shapes; every later physical
@@ -140,22 +134,7 @@ class Engine:
             self._noise = self._new_noise("noise")
         # This engine's branch of its run, for the run ledger (run_core.RunLedger): a fresh id
         # and the steps, from the branch's first, that a ledger has recorded as released.
-        self.ledger_branch = _new_branch(0)
-
-    def _new_noise(self, purpose: str) -> NoiseGenerator:
-        """A noise generator with a fresh key: 256 bits from the OS, or (tests only) derived from
-        ``insecure_seed`` and ``purpose``. A collective under torch.distributed.
-
-        On the parameters' device, so the noise is drawn where the gradients are. Every rank
-        holds rank 0's key. Unsharded, every rank draws the same noise, added once to the same
-        full gradient; sharded, each shard draws from its own nonces (its stream), so every
-        coordinate gets one draw and replicas of a shard the same one.
-        """
-        seed = self.config.insecure_seed
-        key = None if seed is None else key_from_insecure_seed(seed, purpose)
-        device = next(self.model.parameters()).device
-        stream = self.sharding.index if self.sharding is not None else 0
-        return NoiseGenerator(device, secure=self.config.secure_rng, key=broadcast_key(key), stream=stream)
+        self.ledger_branch = new_ledger_branch(0)
 
     # --- compilation ----------------------------------------------------------------------
     def lower(self, *example_batch, graph: str = "train") -> Lowered:
@@ -196,81 +175,9 @@ class Engine:
         return lowered
 
     def _check_units_apart(self, lowered: Lowered, batch: tuple) -> None:
-        """Packed documents: a unit's gradient may read its own tokens only, which the model's
-        attention mask must ensure and no pass can see (``PackedCausalLMLoss`` does; a custom
-        model may not). A probe on the example batch's values, laid out as two units (the first
-        and the second half of every row): replacing the first half's tokens must leave the
-        second unit's norm unchanged (causal attention without the document mask fails here),
-        and replacing the second half's the first unit's (a last token trained to predict the
-        next unit's first fails here). Three runs of the train graph at capture; skipped for
-        fake tensors and on a fake process group (its collectives leave their outputs unfilled),
-        for a batch whose values cannot be varied, and where a unit has no gradient to watch (a
-        batch of padding, as the CLI compiles on).
-
-        A change above the rounding tolerance is measured against the kernels' own run-to-run
-        jitter: two more runs of the unchanged batch. GPU kernels that accumulate with atomics
-        (flash attention's backward) move a correct model's bf16 norms by ~1e-4 from run to run;
-        a change within ``_JITTER_MARGIN`` times the jitter seen, and under ``_JITTER_CEILING``,
-        is that jitter and passes with a warning. Deterministic kernels (every CPU run) show none,
-        so there the tolerance alone decides."""
-        from .._torch import FakeTensor, in_fake_world
-
-        if any(isinstance(t, FakeTensor) for t in batch) or in_fake_world():
-            return
-        B, T = batch[-1].shape
-        half = T // 2
-        units = torch.zeros_like(batch[-1])
-        units[:, half:] = 1
-        first, second = slice(0, half), slice(half, T)
-        generator = torch.Generator().manual_seed(0)
-
-        def replaced(tokens: slice) -> tuple | None:
-            out, changed = [], False
-            for t in batch[:-1]:
-                if t.dim() >= 2 and tuple(t.shape[:2]) == (B, T):
-                    new = t.clone()
-                    if t.is_floating_point():
-                        noise = torch.randn(new[:, tokens].shape, generator=generator).to(t)
-                        new[:, tokens] += noise * (t.abs().max() + 1)
-                    else:  # other values of the same tensor (token ids stay in range)
-                        new[:, tokens] = t.roll(1, 0).flip(1)[:, tokens]
-                    changed |= not torch.equal(new, t)
-                    t = new
-                out.append(t)
-            return (*out, units) if changed else None
-
-        probes = [replaced(first), replaced(second)]
-        if None in probes:
-            log.info("engine: the packed isolation probe is skipped: the example batch's values cannot be varied")
-            return
-        unchanged = (*batch[:-1], units)
-        base, after_first, after_second = (self._probe_norms(lowered, b) for b in (unchanged, *probes))
-        if not bool((torch.isfinite(base[:2]) & (base[:2] > 0)).all()):
-            log.info("engine: the packed isolation probe is skipped: the example batch gives a unit no finite, "
-                     "non-zero gradient to watch")
-            return
-
-        def moved(norms: torch.Tensor, unit: int) -> float:
-            return float((norms[unit] - base[unit]).abs() / base[unit].abs())
-        tolerance = 1e-4 if self._dtype() in (torch.float16, torch.bfloat16) else 1e-6
-        change, unit, after, other = max((moved(after_first, 1), 1, after_first, "the first"),
-                                         (moved(after_second, 0), 0, after_second, "the second"), key=lambda w: w[0])
-        if change <= tolerance:
-            return
-        repeats = [self._probe_norms(lowered, unchanged) for _ in range(2)]
-        jitter = max(moved(norms, u) for norms in repeats for u in (0, 1))
-        if change <= min(_JITTER_MARGIN * jitter, _JITTER_CEILING):
-            log.warning("engine: the packed isolation probe accepted a unit's norm moved by %.2g (relative) when only "
-                        "another unit's tokens changed: the unchanged batch's norms themselves moved by up to %.2g "
-                        "from run to run (nondeterministic kernels)", change, jitter)
-            return
-        raise UnsupportedModelError(
-            f"packed documents: the gradient of one unit changed when only {other} unit's tokens of its rows changed "
-            f"(norm {float(base[unit]):.6g} -> {float(after[unit]):.6g}, relative {change:.2g}; the unchanged batch "
-            f"moved it by at most {jitter:.2g} from run to run): this model lets the units of a row reach each "
-            "other (e.g. attention without a document mask, or a last token trained on the next unit's first), so "
-            "a unit would not be one sample. Way out: longshield_fx.PackedCausalLMLoss (block-diagonal causal "
-            "attention), or unpacked batches (compile without packed_units, CLI --no-pack)")
+        """Packed documents: the probe that a unit's gradient reads its own tokens only
+        (``engine_checks.check_units_apart``), run on ``lowered``'s train graph."""
+        check_units_apart(batch, lambda probe: self._probe_norms(lowered, probe), self._dtype())
 
     def _probe_norms(self, lowered: Lowered, batch: tuple) -> torch.Tensor:
         """The train graph's per-unit norms for ``batch``, every row counted, dropout drawn alike."""
@@ -341,7 +248,7 @@ class Engine:
         state = fingerprint(self.model)  # before capture: what the graph is traced from
         model = self.parallel.capture_module(self.model)
         if dtype is not None and dtype != next(model.parameters()).dtype and self.sharding is None:
-            _check_no_forward_holds_a_module(model)
+            check_no_forward_holds_a_module(model)
             model = copy.deepcopy(model).to(dtype)  # capture only; the live model keeps its dtype
         batch = self.parallel.shard(batch)
         captured = self._shared_capture(state, batch)
@@ -408,35 +315,11 @@ class Engine:
         return captured.copy()
 
     def _check_shapes(self, batch):
-        if not batch or not all(isinstance(t, torch.Tensor) for t in batch):
-            raise TypeError("engine: pass the batch as tensors, e.g. engine.accumulate(input_ids, labels)")
-        shapes = [(tuple(t.shape), t.dtype) for t in batch]
-        B = batch[0].shape[0] if batch[0].dim() else None
-        if B is None or any(t.dim() == 0 or t.shape[0] != B for t in batch):
-            raise ValueError(f"engine: every batch tensor needs the batch as dimension 0, got shapes {[s for s, _ in shapes]}")
-        self.parallel.check_batch(batch)
-        if self._shapes is None:
-            self._shapes = shapes
-        elif shapes != self._shapes:
-            raise ValueError(
-                f"engine: physical batch shapes changed from {self._shapes} to {shapes}; the compiled "
-                "graph has fixed shapes. Pad to a fixed physical batch and pass mask= "
-                "(longshield_fx.data.PoissonBatches does this)")
+        self._shapes = fixed_batch_shapes(batch, self.parallel, self._shapes)
 
     def _check_units(self, units: torch.Tensor) -> int:
-        """Check a packed batch's last tensor, the unit slot of each token (padding: U), and
-        return how many of the U slots hold tokens (the samples of this physical batch)."""
-        U = self.packed_units
-        if units.dim() != 2 or units.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"engine: with packed_units the last batch tensor is the (B, T) integer unit slot of "
-                             f"each token, got {tuple(units.shape)} {units.dtype}")
-        if units.shape[0] < 2:
-            raise ValueError("engine: a packed physical batch needs at least 2 rows (a batch of one row may run as "
-                             "two copies of it, which would count each of its units twice); pack into rows >= 2")
-        if bool(((units < 0) | (units > U)).any()):
-            raise ValueError(f"engine: unit slots must lie in [0, {U}] ({U}: padding), got values in "
-                             f"[{int(units.min())}, {int(units.max())}]")
-        return int((torch.bincount(units.flatten().long(), minlength=U + 1)[:U] > 0).sum())
+        """The samples of a packed physical batch (``engine_checks.held_unit_slots``)."""
+        return held_unit_slots(units, self.packed_units)
 
     def _dtype(self):
         return None if self.config is None else self.config.compute_dtype
@@ -571,65 +454,6 @@ class Engine:
             grads = [self.parallel.sum_over_sp(g)[:self.packed_units or B] for g in grads]
         return dict(zip(captured.param_names, grads))
 
-    # --- checkpoints ----------------------------------------------------------------------
-    def state_dict(self, sampler=None) -> dict:
-        """The accountant's state, and ``sampler``'s (a ``PoissonBatches``) if given; not the
-        model or the optimizer, and not the noise key: an engine never saves or restores its
-        noise stream (see ``load_state_dict``).
-
-        SECRET: the sampling key tells who was sampled. Store checkpoints like the private data.
-        """
-        if self._accum is not None:
-            raise RuntimeError("engine.state_dict: save between finalize and the next accumulate")
-        state = {"accountant": self.accountant.state_dict(),
-                 "nonfinite_samples": self.nonfinite_samples, "config": repr(self.config)}
-        if sampler is not None:
-            state["sampler"] = sampler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict, sampler=None, *, fork: bool = False,
-                        released_elsewhere: list | None = None) -> None:
-        """Restore a ``state_dict`` (and ``sampler``'s state, saved with it).
-
-        The noise is never restored: every load gives the engine a fresh noise key (a collective
-        under torch.distributed; every rank calls it). Restoring the stream would let two runs
-        continued from one checkpoint draw the same noise, and the difference of their releases
-        would then be the difference of their clipped gradients, noise-free. The sampling stream
-        is restored, so a resumed run samples as the uninterrupted one would.
-
-        A state with fewer accounted steps than this engine has already taken is refused
-        unless ``fork=True``: loading it would forget privacy already spent. A fork keeps it:
-        this engine's steps past the state stay accounted (``PrivacyAccountant.released_elsewhere``),
-        and the fork's redraws of them count as the same subsampled batches released twice.
-        ``released_elsewhere``: the run ledger's account of the other branches
-        (``run_core.RunLedger.admit``), which replaces the state's own and this engine's."""
-        if state.get("config") != repr(self.config):
-            raise ValueError(f"engine.load_state_dict: checkpoint DP config {state.get('config')} differs "
-                             f"from this engine's {self.config!r}")
-        if (sampler is None) != ("sampler" not in state):
-            raise ValueError("engine.load_state_dict: pass the sampler exactly when the state was saved with "
-                             "one (engine.state_dict(sampler)); a resumed run must continue its sampling stream")
-        saved_steps = sum(int(n) for _, _, n in state["accountant"]["history"])
-        if saved_steps < self.accountant.steps and not fork:
-            raise ValueError(f"engine.load_state_dict: the state is at step {saved_steps}, this engine already took "
-                             f"step {self.accountant.steps}; loading it would under-report ε. Pass fork=True to "
-                             "continue from it with both branches accounted")
-        if released_elsewhere is None:
-            released_elsewhere = [tuple(e) for e in state["accountant"].get("released_elsewhere", ())]
-            if saved_steps < self.accountant.steps:  # this engine's own steps past the state: a second branch
-                same_stream = sampler is None or sampler.state_dict()["stream"]["key"] == \
-                    state["sampler"]["stream"]["key"]
-                released_elsewhere += [(step if same_stream else None, s, q) for step, (s, q) in enumerate(
-                    self.accountant.step_parameters(saved_steps + 1, self.accountant.steps), saved_steps + 1)]
-                released_elsewhere += self.accountant.released_elsewhere
-        if sampler is not None:
-            sampler.load_state_dict(state["sampler"])
-        self.accountant.load_state_dict(state["accountant"])
-        self.accountant.released_elsewhere = released_elsewhere
-        self.ledger_branch = _new_branch(self.accountant.steps)
-        self._noise = self._new_noise(f"noise after loading step {self.accountant.steps}")
-        self.nonfinite_samples = int(state.get("nonfinite_samples", 0))
-
     def communication_bytes(self) -> dict[str, int]:
         """Bytes each kind of collective in the training graph moves per physical batch.
 
@@ -660,34 +484,3 @@ class Engine:
             lines.append(format_log(lowered.log))
             lines.append("  per-sample rules: " + ", ".join(f"{n}={r}" for n, r in lowered.rules.items()))
         return "\n".join(lines)
-
-
-@dataclasses.dataclass
-class _LedgerBranch:
-    id: str
-    recorded: int  # the last step of this branch a ledger holds (the loaded state's, at first)
-
-
-def _new_branch(steps: int) -> _LedgerBranch:
-    return _LedgerBranch(os.urandom(8).hex(), steps)
-
-
-def _check_no_forward_holds_a_module(model: nn.Module) -> None:
-    """The compute-dtype capture runs a deep copy of ``model``; a forward replaced on an instance by
-    a function that holds a module (TRL's fused LM-head patch keeps the original bound forward) is
-    not copied with it, so the copy would run the original's weights, and the trainable copies
-    would get no gradient."""
-    for name, module in model.named_modules():
-        forward = module.__dict__.get("forward")
-        func = getattr(forward, "__func__", forward)
-        for cell in getattr(func, "__closure__", None) or ():
-            try:
-                held = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(getattr(held, "__self__", held), nn.Module):
-                raise UnsupportedModelError(
-                    f"compile: the forward of {name or 'the model'} was replaced by {func.__qualname__} "
-                    f"({func.__module__}), which holds a module; capturing in compute_dtype copies the model, and the "
-                    "copy would run the original's weights. Way out: a compute_dtype equal to the parameters' dtype "
-                    "(bf16=False in Trainer arguments), or remove the replaced forward")

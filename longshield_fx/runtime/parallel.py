@@ -22,7 +22,7 @@ from torch import nn
 from .._torch import c10d, flattened_group, gloo_worker_threads, resolve_process_group
 from ..losses import (CausalLMLoss, PackedCausalLMLoss, ShardedCausalLMLoss, ShardedPackedCausalLMLoss,
                       document_segments, shift_labels)
-from ..ops.ring_attention import zigzag_index
+from ..ops.ring_schedule import zigzag_index
 
 
 _PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "peer")

@@ -19,7 +19,7 @@ MODELS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 # Refusals we stand by: the op really works across the samples of the batch. None now: JetMoE's
 # expert counts over the batch's tokens only sized its sort-and-group dispatch (no capacity limit,
 # so no token depended on another's routing); its capture runs a fixed-shape stand-in
-# (longshield_fx/_transformers.py) and is exact.
+# (longshield_fx/_fixed_shape_forwards.py) and is exact.
 REAL_MIXING: dict[str, str] = {}
 # Refusals that are gaps of ours, each with the message it must keep until fixed (the test
 # then asks for the entry to go): not sample mixing, but not exact either.

@@ -1,4 +1,5 @@
-"""Context-parallel ring attention (longshield_fx/ops/ring_attention.py).
+"""Context-parallel ring attention (longshield_fx/ops/ring_attention.py, with ring_schedule.py,
+document_attention.py and attention_kernels.py).
 
 The multi-rank cases (cp=4 on 4 gloo ranks, cp=2 on two strided groups of them) run in the
 4-rank launch of tests/runtime/cp_worker.py (the ``distributed`` fixture) and are checked
@@ -10,7 +11,10 @@ import pytest
 import torch
 
 from longshield_fx import _torch
+from longshield_fx.ops import attention_kernels as kernels
+from longshield_fx.ops import document_attention as doc_attention
 from longshield_fx.ops import ring_attention as ra
+from longshield_fx.ops import ring_schedule as schedule
 
 from oracles import attention_inputs, causal_attention, document_attention, packed_segments
 
@@ -28,7 +32,7 @@ def _inputs(seed: int, T: int = T):
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_zigzag_index_partitions_sequence(cp):
-    idx = [ra.zigzag_index(T, cp, r) for r in range(cp)]
+    idx = [schedule.zigzag_index(T, cp, r) for r in range(cp)]
     c = T // (2 * cp)
     assert all(i.dtype == torch.long and len(i) == T // cp for i in idx)
     assert torch.equal(torch.sort(torch.cat(idx)).values, torch.arange(T))
@@ -39,16 +43,16 @@ def test_zigzag_index_partitions_sequence(cp):
 @pytest.mark.parametrize("cp, dim", [(1, 1), (2, 1), (4, 2), (4, -2)])
 def test_shard_unshard_round_trip(cp, dim):
     x = torch.randn(2, 3, T, 5) if dim in (2, -2) else torch.randn(2, T, 3)
-    shards = [ra.shard_sequence(x, cp, r, dim=dim) for r in range(cp)]
+    shards = [schedule.shard_sequence(x, cp, r, dim=dim) for r in range(cp)]
     assert all(s.shape[dim] == T // cp for s in shards)
-    torch.testing.assert_close(ra.unshard_sequence(shards, cp, dim=dim), x, atol=0, rtol=0)
+    torch.testing.assert_close(schedule.unshard_sequence(shards, cp, dim=dim), x, atol=0, rtol=0)
 
 
 def test_bad_length_raises():
     with pytest.raises(ValueError, match="divisible by 2\\*cp"):
-        ra.zigzag_index(30, 4, 0)
+        schedule.zigzag_index(30, 4, 0)
     with pytest.raises(ValueError, match="divisible by 2\\*cp"):
-        ra.shard_sequence(torch.randn(1, 12, 2), 4, 0)
+        schedule.shard_sequence(torch.randn(1, 12, 2), 4, 0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -57,14 +61,14 @@ def test_bad_length_raises():
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
 def test_block_plan_balanced_and_exact(cp):
-    counts = ra.blocks_per_rank(cp)
+    counts = schedule.blocks_per_rank(cp)
     assert counts == [2 * cp + 1] * cp
     covered: dict[tuple[int, int], int] = {}
     for r in range(cp):
         for s in range(cp):
             src = (r - s) % cp
             qids, kids = (r, 2 * cp - 1 - r), (src, 2 * cp - 1 - src)
-            for qs, ks, causal, n in ra.block_plan(cp, r, src):
+            for qs, ks, causal, n in schedule.block_plan(cp, r, src):
                 qi = [0, 1] if qs == "all" else [qs]
                 ki = [0, 1] if ks == "all" else [ks]
                 pairs = [(qids[i], kids[j]) for i in qi for j in ki if kids[j] <= qids[i]]
@@ -92,7 +96,7 @@ def test_cp1_equals_causal_attention():
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, **TOL)
     assert grads[1].shape == (B, HKV, T, D)
-    blocks = ra.blocks_per_rank(1)[0]  # cp=1: the causal diagonal block of each of the two chunks + one full
+    blocks = schedule.blocks_per_rank(1)[0]  # cp=1: the causal diagonal block of each of the two chunks + one full
     assert ra.last_block_counts == {"forward": blocks, "forward_calls": 1, "forward_skipped": 0,
                                     "backward": blocks, "backward_calls": 1, "backward_skipped": 0}
 
@@ -116,7 +120,7 @@ def test_cp1_packed_documents_equal_document_attention(length):
     q, k, v, grad = _inputs(4, length)
     segments = packed_segments(B, length, seed=2)
     segments[0, :3] = torch.tensor([-1, -2, -3])  # three one-token documents
-    padded = {b.P for b in ra._run_plan(segments, HQ, D).buckets}
+    padded = {b.P for b in doc_attention._run_plan(segments, HQ, D).buckets}
     assert 1 in padded and (length == T or any(p > 64 and p % 16 == 0 and p & (p - 1) for p in padded)), padded
     _assert_one_rank_is_document_attention(q, k, v, grad, segments)
     with pytest.raises(ValueError, match="segments must be integer document ids of shape"):
@@ -127,7 +131,7 @@ def _each_run_alone(q, k, v, grad, segments):
     """out, dq, dk and dv of every document run as a sequence of its own, by causal SDPA and
     autograd (the floor the op is held to: each document alone)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    cu = ra._document_runs(segments).tolist()
+    cu = doc_attention._document_runs(segments).tolist()
     L, rep = q.shape[2], q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     for a, b in zip(cu[:-1], cu[1:]):
@@ -150,7 +154,7 @@ def test_cp1_packed_documents_with_large_scores_equal_each_run_alone(hkv):
     q, k = q * 8, k * 8
     segments = torch.cat([torch.full((n,), i) for i, n in enumerate([1, 2, 5, 17, 33, 70, 32] * 2 + [100, 1, 3, 55])])
     segments = torch.cat([segments, torch.arange(100, 100 + 480 - len(segments))]).view(3, 160)  # padding tokens
-    assert len({b.P for b in ra._run_plan(segments, 4, D).buckets}) > 3
+    assert len({b.P for b in doc_attention._run_plan(segments, 4, D).buckets}) > 3
     ref_out, ref_grads = _each_run_alone(q, k, v, grad, segments)
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     out, _ = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
@@ -166,8 +170,8 @@ def test_run_plan_places_every_token_once():
     as it, of a length the kernel runs well (``_fitted_length``)."""
     segments = packed_segments(3, 416, seed=5)
     segments[1, 7:10] = torch.tensor([-1, -2, -3])
-    plan = ra._run_plan(segments, HQ, D)
-    cu = ra._document_runs(segments).long()
+    plan = doc_attention._run_plan(segments, HQ, D)
+    cu = doc_attention._document_runs(segments).long()
     run_of = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
     places = []
     for b in plan.buckets:
@@ -177,7 +181,7 @@ def test_run_plan_places_every_token_once():
         assert (cu[run_of[last] + 1] == last + 1).all()
         assert (index == torch.where(valid, index, last[:, None])).all()  # padding: the run's last token
         assert valid.all() if b.padding is None else (~valid).flatten().nonzero().squeeze(1).equal(b.padding)
-        assert b.P == 1 or b.P >= ra._fitted_length(int(valid.sum(1).max()), 416)
+        assert b.P == 1 or b.P >= doc_attention._fitted_length(int(valid.sum(1).max()), 416)
         places.append(index[valid])
     assert torch.cat(places).sort().values.equal(torch.arange(3 * 416))
     padded = torch.cat([b.index for b in plan.buckets])
@@ -187,9 +191,9 @@ def test_run_plan_places_every_token_once():
 def test_fitted_lengths_are_the_kernels_block_sizes():
     """Powers of two up to 16, then multiples of 16, of 32 above 256, of 64 above 512, never above
     the row."""
-    fit = [ra._fitted_length(n, 2048) for n in (1, 2, 3, 5, 16, 17, 33, 64, 65, 250, 257, 513, 2000)]
+    fit = [doc_attention._fitted_length(n, 2048) for n in (1, 2, 3, 5, 16, 17, 33, 64, 65, 250, 257, 513, 2000)]
     assert fit == [1, 2, 4, 8, 16, 32, 48, 64, 80, 256, 288, 576, 2048]
-    assert ra._fitted_length(250, 250) == 250
+    assert doc_attention._fitted_length(250, 250) == 250
 
 
 @pytest.mark.parametrize("heads", [1, 4, 64])
@@ -200,8 +204,8 @@ def test_bucket_lengths_are_the_cheapest_split(heads):
     fitted, counts = [2, 16, 48, 64, 96, 112, 224], [3, 1, 5, 1, 7, 1, 2]
 
     def cost(lengths):
-        return sum(ra._CALL_US * (i == len(lengths) - 1 or lengths[i] != lengths[i + 1])
-                   + n * ra._sequence_us(p, heads, D) for i, (n, p) in enumerate(zip(counts, lengths)))
+        return sum(doc_attention._CALL_US * (i == len(lengths) - 1 or lengths[i] != lengths[i + 1])
+                   + n * doc_attention._sequence_us(p, heads, D) for i, (n, p) in enumerate(zip(counts, lengths)))
 
     def splits(i):  # every split of fitted[i:] into consecutive buckets, as each length's bucket length
         if i == len(fitted):
@@ -210,7 +214,7 @@ def test_bucket_lengths_are_the_cheapest_split(heads):
             for rest in splits(j + 1):
                 yield [fitted[j]] * (j - i + 1) + rest
 
-    chosen = ra._bucket_lengths(fitted, counts, heads, D)
+    chosen = doc_attention._bucket_lengths(fitted, counts, heads, D)
     assert cost(chosen) == pytest.approx(min(map(cost, splits(0))))
     assert chosen[-1] == 224 and chosen == sorted(chosen) and all(c >= f for c, f in zip(chosen, fitted))
     if heads == 1:  # calls dominate: the lone 16 and 64 join longer buckets
@@ -224,17 +228,17 @@ def test_the_plan_is_made_once_per_batch():
     tensor) share it too, and ids changed in place, or other heads, get a new one."""
     q, k, v, grad = _inputs(6)
     segments = packed_segments(B, T, seed=4)
-    first = ra._run_plan(segments, HQ, D)
+    first = doc_attention._run_plan(segments, HQ, D)
     qq = q.clone().requires_grad_()
     out, _ = torch.ops.longshield.ring_attention(qq, k, v, D**-0.5, "unused", 1, 0, segments)
     out.backward(grad)
-    assert ra._run_plan(segments, HQ, D) is first and ra._run_plan(segments.clone(), HQ, D) is first
-    assert ra._run_plan(segments, HQ, 2 * D) is not first
-    again = ra._run_plan(segments, HQ, D)
+    assert doc_attention._run_plan(segments, HQ, D) is first and doc_attention._run_plan(segments.clone(), HQ, D) is first
+    assert doc_attention._run_plan(segments, HQ, 2 * D) is not first
+    again = doc_attention._run_plan(segments, HQ, D)
     segments[0, 1] = -7  # a one-token document where there was none
-    changed = ra._run_plan(segments, HQ, D)
+    changed = doc_attention._run_plan(segments, HQ, D)
     assert changed is not again and any(b.P == 1 for b in changed.buckets)
-    assert ra._run_plan(torch.zeros(B, T, dtype=torch.long), HQ, D) is None  # every row one run: no plan
+    assert doc_attention._run_plan(torch.zeros(B, T, dtype=torch.long), HQ, D) is None  # every row one run: no plan
 
 
 @pytest.mark.parametrize("rows", ["one document each", "one document and many"])
@@ -247,10 +251,10 @@ def test_cp1_rows_of_one_document_are_attended_as_they_are(rows):
         segments[1] = packed_segments(B, T, seed=3)[1]
     _assert_one_rank_is_document_attention(q, k, v, grad, segments)
     # On Hopper the first go to cuDNN's causal kernel and the rest to flash over runs (gpu_check.py packed).
-    whole, rest = ra._rows_by_runs(segments)
+    whole, rest = doc_attention._rows_by_runs(segments)
     many = [] if rows == "one document each" else [1]
     assert whole.tolist() == [r for r in range(B) if r not in many] and rest.tolist() == many
-    assert not ra._cudnn(q.bfloat16())  # never on the CPU
+    assert not kernels._cudnn(q.bfloat16())  # never on the CPU
 
 
 def test_document_runs_cut_rows_where_the_attention_mask_does():
@@ -264,17 +268,17 @@ def test_document_runs_cut_rows_where_the_attention_mask_does():
     segments = packed_segments(B, T, seed=2)
     segments[0, :3] = torch.tensor([-1, -2, -3])
     segments[1, :5] = segments[0, -1]  # the same id at the next row's start: a run of its own
-    cu = ra._document_runs(segments)
+    cu = doc_attention._document_runs(segments)
     lengths = (cu[1:] - cu[:-1]).tolist()
-    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == B * T and ra._longest(cu) == max(lengths)
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == B * T and doc_attention._longest(cu) == max(lengths)
     assert T in cu.tolist()  # every row starts a run
-    flat = [ra._tokens_major(ra._expand_heads(x, HQ // x.shape[1])) for x in (q, k, v)]
+    flat = [doc_attention._tokens_major(kernels._expand_heads(x, HQ // x.shape[1])) for x in (q, k, v)]
     runs = [torch.nn.functional.scaled_dot_product_attention(
         *(x[a:b].transpose(0, 1) for x in flat), is_causal=True).transpose(0, 1)
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
     out = torch.cat(runs).view(B, T, HQ, D).transpose(1, 2)
     torch.testing.assert_close(out, document_attention(q, k, v, grad, segments)[0], **TOL)
-    assert ra._by_document_runs(q, segments) and not ra._by_document_runs(q, None)
+    assert doc_attention._by_document_runs(q, segments) and not doc_attention._by_document_runs(q, None)
 
 
 def test_cp1_opcheck():
@@ -307,7 +311,7 @@ def test_ring_matches_full_attention(distributed, cp, hkv):
         assert all(c == counts[0] for c in counts), (cp, counts)
         assert counts[0] == {"forward": r["expected_blocks"], "forward_calls": cp, "forward_skipped": 0,
                              "backward": r["expected_blocks"], "backward_calls": cp, "backward_skipped": 0}, (cp, counts)
-        assert r["expected_blocks"] == ra.blocks_per_rank(cp)[0]  # balanced: the same on every rank
+        assert r["expected_blocks"] == schedule.blocks_per_rank(cp)[0]  # balanced: the same on every rank
 
 
 @pytest.mark.torchrun(4)
@@ -343,8 +347,8 @@ def test_packed_documents_ring_matches_document_attention(distributed, cp, inner
             assert (c["backward"], c["backward_skipped"]) == (c["forward"], c["forward_skipped"]), c
         skipped += r["counts"][0]["forward_skipped"]
         rows = r["segments"].shape[0]
-        group = (sum(c["forward_skipped"] for c in r["counts"]), rows * sum(ra.blocks_per_rank(cp)))
-        assert ra.pairs_skipped(r["segments"], cp) == group  # the count without a process group
+        group = (sum(c["forward_skipped"] for c in r["counts"]), rows * sum(schedule.blocks_per_rank(cp)))
+        assert schedule.pairs_skipped(r["segments"], cp) == group  # the count without a process group
     if cp == 4:  # documents of 1 to T/2 = 16 tokens in chunks of 4: some chunk pairs share none
         assert skipped > 0
 

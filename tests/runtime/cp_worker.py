@@ -46,6 +46,7 @@ from longshield_fx._torch import destroy_process_groups, resolve_process_group, 
 from longshield_fx.cli.inspect import collective_bytes  # noqa: E402
 from longshield_fx.passes._graph import is_head_all_to_all  # noqa: E402
 from longshield_fx.ops import ring_attention as ra  # noqa: E402
+from longshield_fx.ops import ring_schedule as schedule  # noqa: E402
 from longshield_fx.runtime.noise import NoiseGenerator  # noqa: E402
 from oracles import (CALIBRATION, CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS,  # noqa: E402
                      DROPOUT_SEEDS, attention_inputs, case_batches, case_model, causal_attention, document_attention,
@@ -286,8 +287,8 @@ def ring_case(world: int, cp: int, hkv: int, inner: int = 0, packed: bool = Fals
         ref_out, ref_lse, ref_grads = causal_attention(q, k, v, grad)
 
     def ring(q, k, v):
-        local = [ra.shard_sequence(t, cp, cp_rank, dim=2) for t in (q, k, v, grad)]
-        seg = ra.shard_sequence(segments, cp, cp_rank, dim=1) if packed else None
+        local = [schedule.shard_sequence(t, cp, cp_rank, dim=2) for t in (q, k, v, grad)]
+        seg = schedule.shard_sequence(segments, cp, cp_rank, dim=1) if packed else None
         ql, kl, vl = (t.clone().requires_grad_() for t in local[:3])
         out, lse = torch.ops.longshield.ring_attention(ql, kl, vl, D**-0.5, group.group_name, cp, inner, seg)
         return (out, lse, *torch.autograd.grad(out, (ql, kl, vl), local[3]))
@@ -299,7 +300,7 @@ def ring_case(world: int, cp: int, hkv: int, inner: int = 0, packed: bool = Fals
     def gathered(x):
         parts = [torch.empty_like(x) for _ in range(cp)]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return ra.unshard_sequence(parts, cp, dim=2)  # (B, H, L[, D]): sequence is dim 2
+        return schedule.unshard_sequence(parts, cp, dim=2)  # (B, H, L[, D]): sequence is dim 2
 
     for name, got, want in [("out", out, ref_out), ("lse", lse, ref_lse),
                             ("dq", dq, ref_grads[0]), ("dk", dk, ref_grads[1]), ("dv", dv, ref_grads[2])]:
@@ -311,13 +312,13 @@ def ring_case(world: int, cp: int, hkv: int, inner: int = 0, packed: bool = Fals
     counts = [None] * cp
     dist.all_gather_object(counts, dict(ra.last_block_counts), group=group)
     result["counts"] = counts
-    result["expected_blocks"] = ra.blocks_per_rank(cp)[cp_rank]
+    result["expected_blocks"] = schedule.blocks_per_rank(cp)[cp_rank]
     if packed:  # isolation: the longest document of row 0 (it spans ranks) gets other values
         ids, lengths = segments[0].unique(return_counts=True)
         mine = segments == ids[lengths.argmax()]
         g = torch.Generator().manual_seed(7)  # the same replacement on every rank of the group
         other = [torch.where(mine[:, None, :, None], torch.randn(t.shape, generator=g) * 3, t) for t in (q, k, v)]
-        keep = ra.shard_sequence(~mine, cp, cp_rank, dim=1)
+        keep = schedule.shard_sequence(~mine, cp, cp_rank, dim=1)
         changed = ring(*other)
         result["isolation"] = max(float((a - b).detach()[keep[:, None].expand(a.shape[:3])].abs().max())
                                   for a, b in zip((out, lse, dq, dk, dv), changed))
@@ -376,7 +377,7 @@ def packed_case(kind: str, checkpoint: str | None = None, dp: int = 1, fsdp: tup
     others = [s for s in range(len(first.members)) if s != victim]
     out["isolation"] = max(float((changed[n][others] - g[others]).abs().max()) for n, g in out["per_unit"].items())
     out["victim_moved"] = max(float((changed[n][victim] - g[victim]).abs().max()) for n, g in out["per_unit"].items())
-    out["victim_ranks"] = [bool(where.index_select(1, ra.zigzag_index(PACKED_T, mesh.size(), r)).any())
+    out["victim_ranks"] = [bool(where.index_select(1, schedule.zigzag_index(PACKED_T, mesh.size(), r)).any())
                            for r in range(mesh.size())]
     out["captures"] = engine.captures  # batches of other units and lengths: the same graphs
     out["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())

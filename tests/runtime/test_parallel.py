@@ -14,7 +14,7 @@ import torch
 
 import longshield_fx as lf
 
-from longshield_fx.ops.ring_attention import blocks_per_rank, zigzag_index
+from longshield_fx.ops.ring_schedule import blocks_per_rank, zigzag_index
 from oracles import (CALIBRATION, CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE_SEED, CP_STEPS, DROPOUT_P,
                      attention_shape, case_batches, case_model, gpt2_embedding_dropout, logical, rank_results)
 
