@@ -43,10 +43,10 @@ Accepted inputs:
 - a ``.txt`` file: one document per non-blank line (without its line ending), each its own
   unit named ``line <k>``.
 
-Text is decoded as strict UTF-8 (a leading byte-order mark is dropped). A file of the
-directory that is not valid UTF-8 is skipped and counted (``non_utf8``), never decoded
-lossily: a lossy decode would train on U+FFFD replacement characters instead of the user's
-text and hide that the file was not what it seemed. A ``.jsonl`` or ``.txt`` input that is
+Text is decoded as strict UTF-8 (a leading byte-order mark is dropped). A binary file of the
+directory (not valid UTF-8, or over half NUL or other control characters) is skipped, counted
+and named (``non_utf8``), never decoded lossily: a lossy decode would train on U+FFFD
+replacement characters instead of the user's text and hide that the file was not what it seemed. A ``.jsonl`` or ``.txt`` input that is
 not UTF-8 is an error (its lines cannot be told apart reliably).
 
 Each document is tokenized with the caller's ``encode`` and cut into rows of T tokens, its
@@ -82,12 +82,11 @@ ACCEPTED = "a directory of UTF-8 text files, a .jsonl file (one {\"text\": ..., 
 class Documents:
     """N privacy units of R rows of T tokens (see the module docstring).
 
-    ``ids`` (N, R, T) long, padding ``pad_id``; ``labels`` is ``ids`` with -100 at every
-    padding slot (labels, not ids, say where the tokens are: ``pad_id`` may be a real token).
-    The per-unit lists count, for unit i, its documents, its tokens before truncation and the
-    tokens dropped by ``max_rows``. ``skipped`` counts the documents left out of the whole
-    load (``non_utf8``, ``empty``, ``same_file``) and the symlinked directories not followed
-    (``same_dir``: a loop, or a directory already read), and ``skipped_names`` names the first
+    ``ids`` (N, R, T) long, padding ``pad_id``; ``labels`` is ``ids`` with -100 at every padding
+    slot (labels, not ids, say where the tokens are: ``pad_id`` may be a real token). The per-unit
+    lists count unit i's documents, tokens before truncation and tokens dropped by ``max_rows``.
+    ``skipped`` counts the documents left out (``non_utf8``: binary, ``empty``, ``same_file``) and
+    the symlinked directories not followed (``same_dir``); ``skipped_names`` names the first
     ``_NAMED`` of each (a relative path, or ``line k``); an eval/train split keeps both.
     """
 
@@ -122,17 +121,9 @@ class Documents:
         """Tokens kept (after truncation)."""
         return int((self.labels != -100).sum())
 
-    @property
-    def num_documents(self) -> int:
-        return sum(self.documents_per_unit)
-
-    @property
-    def truncated_units(self) -> int:
-        return sum(d > 0 for d in self.tokens_dropped_per_unit)
-
-    @property
-    def tokens_dropped(self) -> int:
-        return sum(self.tokens_dropped_per_unit)
+    num_documents = property(lambda self: sum(self.documents_per_unit))
+    truncated_units = property(lambda self: sum(d > 0 for d in self.tokens_dropped_per_unit))
+    tokens_dropped = property(lambda self: sum(self.tokens_dropped_per_unit))
 
     @property
     def tokens_total(self) -> int:
@@ -191,10 +182,11 @@ class Documents:
         return (f"{self.num_units} units ({self.num_documents} documents), {self.num_tokens} tokens in "
                 f"{self.num_rows} rows of {self.seq_len}, {self.rows_per_unit} rows per unit; {self.truncated_units} units "
                 f"truncated ({self.tokens_dropped} tokens dropped); {s['non_utf8'] + s['empty'] + s['same_file']} "
-                f"{what} skipped (non-UTF-8: {s['non_utf8']}, empty: {s['empty']}, one file reached twice: {s['same_file']})"
+                f"{what} skipped (binary or non-UTF-8: {s['non_utf8']}, empty: {s['empty']}, one file reached twice: "
+                f"{s['same_file']})"
                 + (f", {dirs} symlinked folder{'s' * (dirs != 1)} not followed" if dirs else "")
                 + "".join(f"; {why}: {_listed(self.skipped_names[key], s[key])}"
-                          for key, why in (("non_utf8", "not UTF-8"), ("empty", "empty or under 2 tokens"),
+                          for key, why in (("non_utf8", "binary or not UTF-8"), ("empty", "empty or under 2 tokens"),
                                            ("same_file", "read once already"),
                                            ("same_dir", "a symlink loop or a folder read once already"))
                           if self.skipped_names.get(key)))
@@ -225,6 +217,11 @@ def _read(path: Path) -> bytes:
 def _decode(data: bytes) -> str:
     """Strict UTF-8, a leading BOM dropped; raises UnicodeDecodeError."""
     return data.decode("utf-8-sig")
+
+
+# C0 and C1 controls but tab, newlines, vertical tab and form feed. A file mostly of them is binary
+# (4,096 NUL bytes are valid UTF-8); not one of them: a log with colour escapes stays a document.
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")
 
 
 def _decode_or_fail(path: Path, data: bytes) -> str:
@@ -408,6 +405,8 @@ def _dir_documents(root: Path, skipped: dict[str, int], names: dict[str, list[st
         try:
             body = _decode(_read(p))
         except UnicodeDecodeError:
+            body = None
+        if body is None or 2 * len(_CONTROL.findall(body)) > len(body):
             _skip(skipped, names, "non_utf8", rel)
             continue
         yield ("file", rel), rel, body
@@ -475,7 +474,7 @@ def load_documents(path, encode: Callable[[str], Sequence[int]], seq_len: int, m
         del tokens
 
     if not units:
-        raise DataError(f"{path}: no usable document ({skipped['non_utf8']} skipped as not UTF-8, "
+        raise DataError(f"{path}: no usable document ({skipped['non_utf8']} skipped as binary or not UTF-8, "
                        f"{skipped['empty']} skipped as empty or under 2 tokens"
                        + (f", {skipped['same_dir']} symlinked folders not followed" if skipped['same_dir'] else "")
                        + f"); expected {ACCEPTED}")

@@ -81,8 +81,8 @@ def test_directory_rows_labels_and_skips(tree):
                  "source": str(tree)}
     # The skipped files are named, not only counted.
     assert docs.describe() == ("3 units (3 documents), 29 tokens in 5 rows of 8, 3 rows per unit; 0 units truncated "
-                               "(0 tokens dropped); 3 files skipped (non-UTF-8: 1, empty: 2, one file reached twice: 0); "
-                               "not UTF-8: sub/latin1.txt; empty or under 2 tokens: empty.txt, one.txt")
+                               "(0 tokens dropped); 3 files skipped (binary or non-UTF-8: 1, empty: 2, one file reached "
+                               "twice: 0); binary or not UTF-8: sub/latin1.txt; empty or under 2 tokens: empty.txt, one.txt")
 
 
 def test_skipped_files_past_the_first_few_are_counted(tmp_path):
@@ -90,6 +90,19 @@ def test_skipped_files_past_the_first_few_are_counted(tmp_path):
         (tmp_path / f"{i}.bin").write_bytes(b"\xff\xfe\xfa")
     (tmp_path / "ok.txt").write_text("fine text")
     assert load(tmp_path).describe().endswith("not UTF-8: 0.bin, 1.bin, 2.bin, 3.bin, 4.bin and 2 more")
+
+
+def test_a_file_mostly_of_nul_or_control_bytes_is_skipped_and_named_like_a_binary_file(tmp_path):
+    """4,096 NUL bytes are valid UTF-8 and no text: skipped and named with the files that are not
+    UTF-8. A text with colour escapes, a form feed or a few NUL bytes stays a document."""
+    (tmp_path / "zeros").write_bytes(b"\0" * 4096)
+    (tmp_path / "controls.dat").write_bytes(bytes(range(1, 9)) * 100 + b"some text")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (tmp_path / "log.txt").write_bytes(b"\x1b[31mred\x1b[0m text, a form feed\x0c, a tab\t and \0\0 two NULs")
+    docs = load(tmp_path)
+    assert docs.units == ["log.txt"]
+    assert docs.skipped["non_utf8"] == 3
+    assert docs.describe().endswith("binary or not UTF-8: controls.dat, latin1.txt, zeros")
 
 
 def test_pad_id_is_not_the_token_mask(tmp_path):
@@ -287,7 +300,7 @@ def test_directory_follows_a_symlinked_folder_once_and_names_loops(tmp_path):
     assert docs.skipped == {"non_utf8": 0, "empty": 0, "same_file": 0, "same_dir": 3}
     assert docs.skipped_names == {"same_dir": ["sub/loop", "up", "z_again"]}
     assert docs.describe().endswith(
-        "0 files skipped (non-UTF-8: 0, empty: 0, one file reached twice: 0), 3 symlinked folders not followed; "
+        "0 files skipped (binary or non-UTF-8: 0, empty: 0, one file reached twice: 0), 3 symlinked folders not followed; "
         "a symlink loop or a folder read once already: sub/loop, up, z_again")
 
 
@@ -369,7 +382,7 @@ def test_errors(tmp_path):
     skips.mkdir()
     (skips / "l1").write_bytes(b"\xff\xff")
     (skips / "e").write_bytes(b"")
-    with pytest.raises(DataError, match="1 skipped as not UTF-8, 1 skipped as empty"):
+    with pytest.raises(DataError, match="1 skipped as binary or not UTF-8, 1 skipped as empty"):
         load(skips)
     with pytest.raises(DataError, match="sequence length must be >= 2"):
         load(tmp_path / "d.txt", seq_len=1)

@@ -8,6 +8,8 @@
   never imports ``runtime``; ``runtime/`` imports ``passes`` only in ``engine.py`` (which
   wires them); ``ops/`` and ``capture.py`` import neither; benchmarks never import tests,
   and no test file imports another (or conftest).
+- Size and purpose: no module of ``cli/`` (and ``documents.py``) over 500 lines, no function there
+  over 80, and no import circle among the ``cli/`` modules.
 
 Each checker returns ``path:line: text`` for every violation. The last test plants one
 violation of each kind in a scratch tree and checks that every checker reports it.
@@ -191,6 +193,49 @@ def skips_of_required_dependencies(root: Path) -> list[str]:
     return sorted(set(found))
 
 
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
+# Folders held to one purpose per module and per function (issue 64); the rest of the package is
+# being split to the same sizes.
+SIZED = (f"{PACKAGE}/cli", f"{PACKAGE}/documents.py")
+
+
+def oversized(root: Path, unders=SIZED) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines and functions over MAX_FUNCTION_LINES."""
+    found = []
+    for under in unders:
+        for path in _py_files(root, under):
+            text = path.read_text()
+            if len(text.splitlines()) > MAX_MODULE_LINES:
+                found.append(f"{path.relative_to(root)}: {len(text.splitlines())} lines")
+            for node in ast.walk(ast.parse(text, str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    size = node.end_lineno - node.lineno + 1
+                    if size > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(root)}:{node.lineno}: {node.name}, {size} lines")
+    return found
+
+
+def import_cycles(root: Path, under: str = f"{PACKAGE}/cli") -> list[str]:
+    """Cycles of imports (at any depth, function-level too) among the modules of one package,
+    its ``__init__`` aside (it imports every subcommand by design)."""
+    import networkx as nx
+
+    package = under.replace("/", ".")
+    graph = nx.DiGraph()
+    for path in _py_files(root, under):
+        if path.name == "__init__.py":
+            continue
+        name = f"{package}.{path.stem}"
+        graph.add_node(name)
+        for _, module in _imports(root, path):
+            if module.startswith(package + ".") and module.count(".") == package.count(".") + 1 \
+                    and not module.endswith(".__init__") and module != name:
+                graph.add_edge(name, module)
+    # ``from . import name`` names a module or something ``__init__`` defines: modules only
+    graph.remove_nodes_from([n for n in list(graph.nodes) if not (root / (n.replace(".", "/") + ".py")).is_file()])
+    return sorted(" -> ".join(sorted(cycle)) for cycle in nx.simple_cycles(graph))
+
+
 def _report(found: list[str], what: str) -> str:
     return f"{len(found)} {what}:\n" + "\n".join(found)
 
@@ -218,6 +263,24 @@ def test_no_test_file_imports_another():
 def test_no_required_test_dependency_is_imported_with_a_skip():
     found = skips_of_required_dependencies(REPO)
     assert not found, _report(found, "importorskip of a required test dependency (import it: a missing one must fail)")
+
+
+def test_cli_modules_are_short_and_import_in_no_circle():
+    found = oversized(REPO)
+    assert not found, _report(found, f"modules over {MAX_MODULE_LINES} lines or functions over {MAX_FUNCTION_LINES}")
+    cycles = import_cycles(REPO)
+    assert not cycles, _report(cycles, "import circles in cli/ (move what both need into a module of its own)")
+
+
+def test_the_size_and_circle_checkers_catch_planted_ones(tmp_path):
+    cli = tmp_path / PACKAGE / "cli"
+    cli.mkdir(parents=True)
+    (cli / "__init__.py").write_text("from . import a, b\n")
+    (cli / "a.py").write_text("from .b import x\n\n\ndef f():\n" + "    y = 1\n" * 80)
+    (cli / "b.py").write_text("def x():\n    from .a import f\n" + "z = 0\n" * 500)
+    (cli / "c.py").write_text("from . import a\n")  # imports a, no circle
+    assert oversized(tmp_path) == [f"{PACKAGE}/cli/a.py:4: f, 81 lines", f"{PACKAGE}/cli/b.py: 502 lines"]
+    assert import_cycles(tmp_path) == [f"{PACKAGE}.cli.a -> {PACKAGE}.cli.b"]
 
 
 def test_the_checkers_catch_planted_violations(tmp_path):

@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 PACKED = (ROOT / "docs" / "guides" / "packed-documents.md").read_text()
 FINETUNE = (ROOT / "docs" / "guides" / "finetune.md").read_text()
+GETTING_STARTED = (ROOT / "docs" / "getting-started.md").read_text()
 API = (ROOT / "docs" / "reference" / "index.md").read_text()  # "API at a glance"
 
 
@@ -85,3 +86,43 @@ def test_the_docs_show_the_test_command_ci_runs():
     command = README.split("<!-- test-command -->\n```\n", 1)[1].split("\n", 1)[0]
     assert "python -m pytest" in command and "--durations=25" in command
     assert f"```\n{command}\n```" in (ROOT / "docs" / "getting-started.md").read_text()
+
+
+def _recipes() -> list[list[str]]:
+    """The README's `longshield-fx train` commands after its finetune-recipes mark, as argv lists."""
+    import shlex
+
+    block = README.split("<!-- finetune-recipes -->\n```\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    return [shlex.split(line)[1:] for line in block.splitlines() if line.startswith("longshield-fx train")]
+
+
+# Reduced sizes: the recipes' flags as written, on a few short documents (a full run takes minutes).
+_REDUCED = {"-T": "64", "--max-rows": "4", "--steps": "2", "--target-epsilon": "20"}
+
+
+def test_readme_finetune_recipes_run(tmp_path):
+    """Getting started's offline recipe as written (a BPE tokenizer and a small Llama saved with
+    save_pretrained), on public text written here; then the README's CPU and GPU-sized recipes on
+    the model it saves, at reduced sizes (the GPU one on the CPU where there is no GPU)."""
+    import contextlib
+
+    from finetune_fixtures import documents, write_folder
+
+    from longshield_fx import cli
+
+    recipe = re.search(r"## A model of your own, offline\n.*?```python\n(.*?)```", GETTING_STARTED, re.S).group(1)
+    write_folder(tmp_path / "public-text", documents(12, seed=5))
+    with contextlib.chdir(tmp_path):
+        exec(compile(recipe, "docs/getting-started.md", "exec"), {"__name__": "__docs_example__"})
+    write_folder(tmp_path / "my-documents", documents(24, seed=6))
+    recipes = _recipes()
+    assert len(recipes) == 2 and ["--device", "cuda"] == recipes[1][recipes[1].index("--device"):][:2]
+    for argv in recipes:
+        argv = [_REDUCED.get(before, value) for before, value in zip([""] + argv, argv)]
+        argv = [a.replace("path/to/llama-3.2-1b", "my-model") for a in argv]
+        if "cuda" in argv and not torch.cuda.is_available():
+            argv[argv.index("cuda")] = "cpu"
+        with contextlib.chdir(tmp_path):
+            assert cli.main(argv) == 0, argv
+        out = tmp_path / argv[argv.index("--out") + 1]
+        assert (out / "model" / "config.json").is_file() and (out / "privacy.json").is_file()

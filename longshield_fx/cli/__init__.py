@@ -86,12 +86,27 @@ def _run(argv) -> int:
         print(f"{prefix}{where}: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
     finally:
-        import torch.distributed as dist
+        tear_down_processes(finished)
 
-        if dist.is_available() and dist.is_initialized():
-            from .._torch import destroy_process_groups
 
-            destroy_process_groups(peers_finished=finished)
+def tear_down_processes(finished: bool) -> None:
+    """Destroy the process groups (torchrun), quietly."""
+    import warnings
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from .._torch import destroy_process_groups
+
+    with warnings.catch_warnings():
+        # torch wraps the deprecated ``torch.distributed.reduce_op`` object's __getattribute__ in
+        # typing_extensions' @deprecated (distributed_c10d.py, "use torch.distributed.ReduceOp"), so
+        # even an isinstance() test of it warns: destroy_process_groups tests every live object for
+        # a DeviceMesh, and each rank printed that FutureWarning twice at the end of every run.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated",
+                                category=FutureWarning, module=r"torch\._opaque_base")
+        destroy_process_groups(peers_finished=finished)
 
 
 if __name__ == "__main__":

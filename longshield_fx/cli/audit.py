@@ -17,9 +17,12 @@ import torch
 
 from .checkpoints import checkpoint_dir
 from .common import CLIError, Formatter, add_model_args, positive_int, say
+from .job import Job
+from .train import _optimizer_corpus_device_args, _privacy_args
+from .train_build import announce, compile_run
 from .train_data import add_data_args, build_model_for
-from .train import (Job, _announce, _check_args, _compile, _decide_sigma, _load_corpus, _open_run_dir,
-                    _optimizer_corpus_device_args, _privacy_args)
+from .train_loop import run_steps
+from .train_setup import check_args, decide_sigma, load_corpus, open_run_dir
 
 DESCRIPTION = (
     "Empirical privacy audit in one training run. Runs the job of 'longshield-fx train' (same flags:\n"
@@ -76,14 +79,13 @@ def _confidence(text: str) -> float:
 def audit(args) -> int:
     """Validate, build the corpus, model and canaries, run train's loop, score, report."""
     from ..audit import draw_canaries
-    from .train_loop import run_steps
 
     if args.cp != 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise CLIError("audit runs in one process: drop --cp and torchrun")
     job = Job(args, time.time())
-    _check_args(job)
+    check_args(job)
     _check_canary_memory(args.canaries, args.kind, args.seq_len)  # before the corpus: refuse, don't get killed
-    _load_corpus(job)
+    load_corpus(job)
     _check_canaries(args, job.delta)
     build_model_for(job)
     if args.data and not args.no_pack:
@@ -95,13 +97,15 @@ def audit(args) -> int:
     # Drawn before training from their own secret stream (or --insecure-seed's, for tests).
     canaries = draw_canaries(args.canaries, args.kind, seq_len=args.seq_len, insecure_seed=args.insecure_seed)
     scoring = _Scoring(job, base, canaries)
-    _decide_sigma(job)
+    decide_sigma(job)
     scoring.start(job)
-    _open_run_dir(job)
-    _announce(job)
+    open_run_dir(job)
+    announce(job)
     say(f"audit: {canaries.m} {args.kind}-box canaries, each one extra privacy unit (one row) included by a secret fair coin; "
         f"the gradient divisor is the public E[B] = {job.batches.expected_batch_size:g} (counting m/2 canaries)")
-    run_steps(job)
+    stopped = run_steps(job)
+    if stopped is not None:  # a signal: no bound from part of a run
+        return stopped
     return _report(job, canaries, scoring.finish())
 
 
@@ -195,7 +199,7 @@ class _Scoring:
 
         corpus = job.corpus
         null_row = (corpus.ids[0], torch.full_like(corpus.ids[0], -100))  # white-box rows: no token loss
-        _compile(job, TensorDataset(*training_rows((corpus.ids, corpus.labels), self.canaries, null_row)))
+        compile_run(job, TensorDataset(*training_rows((corpus.ids, corpus.labels), self.canaries, null_row)))
         job.batches = PublicDivisor(job.batches, job.q * (corpus.num_units + self.canaries.m / 2))
         job.eval_model = self.base  # held-out documents are scored without the audit parameter
         if self.white:

@@ -1,5 +1,5 @@
-"""Checkpoints of ``longshield-fx train``: atomic writes, finding the newest complete one,
-and refusing one written by a different run.
+"""Checkpoints of ``longshield-fx train``: writing one (atomically, into the run ledger), finding
+the newest complete one, and refusing one written by a different run.
 
 Checkpoints are SECRET: they hold the sampler's sampling key (which units each step sampled).
 The engine's noise key is never saved: a resumed engine draws a fresh one.
@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -127,3 +129,52 @@ def signature_diff(saved: dict, now: dict) -> list[str]:
 
 def jsonable(obj):
     return json.loads(json.dumps(obj, default=str))
+
+
+# Flags that may change between the sessions of one run: where and how often it writes, what it logs,
+# and the layout it runs on (a checkpoint resumes on any world size).
+PER_SESSION = {"out", "resume", "save_every", "keep_checkpoints", "eval_every", "log_private_stats", "device",
+               "cp", "fsdp", "fork"}
+
+
+def saved_flags(args) -> dict:
+    """The run's flags, as a checkpoint keeps them for ``--resume DIR``."""
+    skip = {"func", "command", "argv"} | PER_SESSION
+    return jsonable({k: v for k, v in vars(args).items() if k not in skip})
+
+
+def save_checkpoint(job, step: int) -> None:
+    """Rank 0 writes ckpt-<step>.pt atomically and keeps the newest --keep-checkpoints. With
+    --fsdp every rank first writes its shards into the DCP folder ckpt-<step>.dcp/, which the
+    .pt file (written last: a checkpoint is complete when it exists) names."""
+    import torch.distributed as dist
+
+    import longshield_fx as lf
+
+    folder = checkpoint_dir(job.run_dir)
+    if job.fsdp:
+        dcp_name = f"ckpt-{step:08d}.dcp"
+        # The ledger is written once the shards are (before the .pt that names them, below): a save
+        # cut by a kill leaves a DCP folder no load reads, whose steps a restart redraws freely.
+        lf.save_checkpoint(folder / dcp_name, job.engine, job.opt, job.batches, run_dir=None)
+        dist.barrier()
+        held = {"dcp": dcp_name, "model": None, "optimizer": None, "sampler": None, "engine": None}
+    elif job.rank0:
+        held = {"model": job.model.state_dict(), "optimizer": job.opt.state_dict(),
+                "sampler": job.batches.state_dict(), "engine": job.engine.state_dict()}
+    if not job.rank0:
+        return
+    state = {  # SECRET: the sampler's state holds the sampling key
+        "format": CHECKPOINT_FORMAT, "complete": True, "step": step, "signature": job.signature,
+        "args": saved_flags(job.args),
+        **held, "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if job.device.type == "cuda" else None,
+        "tokens": job.tokens_seen, "elapsed_s": job.elapsed_before + (time.time() - job.t_loop),
+    }
+    # Into the ledger once the file is whole and before it takes its name: a save cut by a kill is
+    # a temp file no load reads, and a restart redraws its steps freely.
+    atomic_save(state, folder / f"ckpt-{step:08d}.pt",
+                before_replace=lambda: job.ledger.record(job.engine, job.batches, "checkpoint"))
+    for _, old in list_checkpoints(folder)[job.args.keep_checkpoints:]:
+        old.unlink(missing_ok=True)
+        shutil.rmtree(old.with_suffix(".dcp"), ignore_errors=True)

@@ -1,9 +1,8 @@
 """What the subcommands share: the argument parser class, number types, the model flags,
-printing on rank 0, building the model and the process group."""
+printing on rank 0 and the process group. Building the model is ``models.py``'s."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import math
 import os
@@ -58,8 +57,9 @@ def add_model_args(p: argparse.ArgumentParser, seq_len_default: int) -> None:
 
     p.add_argument("--model", default="tiny", metavar="NAME|DIR",
                    help="a reference Llama shape from longshield_fx.models.CONFIGS (" + ", ".join(CONFIGS) +
-                   "; 'tiny' has 131k parameters, 'small' 3.1M: on a 2-core CPU 'small' at T=2048 takes ~12 s "
-                   "per step, 'tiny' does 50 steps at T=2048 in a few minutes), or a local Hugging Face model "
+                   f"; 'tiny' has 131k parameters and positions for T <= {CONFIGS['tiny'].max_seq_len}, 'small' "
+                   f"3.1M and T <= {CONFIGS['small'].max_seq_len}; a longer -T is warned about; the default "
+                   "'train' run's time on a 2-core CPU: docs/getting-started.md), or a local Hugging Face model "
                    "directory (config, weights, tokenizer: what save_pretrained writes) of any causal-LM "
                    "architecture longshield_fx supports, loaded with its weights; nothing is downloaded")
     p.add_argument("--hf-config", metavar="PATH", default=None,
@@ -112,53 +112,6 @@ def check_seq_len(args):
         cut = f", cut into {hp} head-parallel pieces" if hp > 1 else ""
         raise CLIError(f"--seq-len {args.seq_len} is not a multiple of {what} = {2 * args.cp * hp} (each of the "
                        f"{args.cp} context-parallel ranks holds two zig-zag chunks{cut})")
-
-
-def check_model_flags(args) -> None:
-    """Fail fast on --model / --hf-config, before processes, data and compilation."""
-    from ..models import CONFIGS
-    from . import hf
-
-    if args.hf_config:
-        if args.model != "tiny":
-            raise CLIError("pass either --model or --hf-config, not both")
-        hf.load_config_json(args.hf_config)
-    elif args.model not in CONFIGS:
-        if not hf.is_model_dir(args.model):
-            raise CLIError(f"--model {args.model}: neither a reference model name ({', '.join(CONFIGS)}) nor a "
-                           "directory")
-        hf.check_model_dir(args.model)
-
-
-def pretrained(args) -> bool:
-    """--model names a Hugging Face model directory (its weights and tokenizer are used)."""
-    from ..models import CONFIGS
-
-    return not args.hf_config and args.model not in CONFIGS
-
-
-def build_model(args, byte_level: bool = True):
-    """(CausalLMLoss model, model description for the signature, display name). ``byte_level``:
-    the data are bytes (the embedded corpus), so the vocabulary must hold 256 tokens."""
-    import longshield_fx as lf
-
-    from . import hf
-
-    if args.hf_config:
-        lm, desc, name = hf.random_model(hf.load_config_json(args.hf_config), args.seed, args.hf_config)
-    elif pretrained(args):
-        torch.manual_seed(args.seed)  # dropout's RNG only: the weights are loaded
-        lm, desc, name = hf.pretrained_model(args.model)
-    else:
-        from ..models import CONFIGS, Llama
-
-        torch.manual_seed(args.seed)
-        lm = Llama.from_name(args.model)
-        return lf.CausalLMLoss(lm), {"kind": "llama", "name": args.model, **dataclasses.asdict(CONFIGS[args.model])}, \
-            f"Llama {args.model!r}"
-    if byte_level:
-        hf.check_byte_vocab(lm, "--model" if pretrained(args) else "--hf-config")
-    return lf.CausalLMLoss(lm), desc, name
 
 
 def under_torchrun() -> bool:

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from .common import CLIError, Formatter, add_model_args, build_model, check_model_flags, check_seq_len, positive_int, rank, say, \
-    setup_distributed, under_torchrun
+from .common import CLIError, Formatter, add_model_args, check_seq_len, positive_int, rank, say, setup_distributed, \
+    under_torchrun
+from .models import build_model, check_model_flags
 
 DESCRIPTION = (
     "Build the training graph for one (random) batch without training and print: the pass pipeline,\n"

@@ -85,15 +85,15 @@ def _model(args) -> str:
     """The planner's model: a reference name, or a Hugging Face config (``plan_graphs.hf_model``)."""
     from ..tools.plan import MODELS
     from ..tools.plan_graphs import hf_model
-    from . import hf
+    from . import models
 
     if args.hf_config:
-        return hf_model(hf.load_config_json(args.hf_config))
+        return hf_model(models.load_config_json(args.hf_config))
     if args.model in MODELS:
         return args.model
     if not Path(args.model).is_dir():
         raise CLIError(f"--model {args.model}: neither one of {', '.join(MODELS)} nor a model directory")
-    transformers = hf._transformers("--model DIR")
+    transformers = models.import_transformers("--model DIR")
     try:
         return hf_model(transformers.AutoConfig.from_pretrained(args.model, local_files_only=True))
     except (OSError, ValueError, KeyError) as e:

@@ -7,14 +7,14 @@ import hashlib
 from pathlib import Path
 
 from .corpus import NOT_COVERED
-from .common import CLIError, build_model, positive_float, positive_int, pretrained, say
-from .hf import require_peft
+from .common import CLIError, positive_float, positive_int
+from .models import build_model, check_positions, pretrained, require_peft
 
 
 def add_data_args(p) -> None:
     p.add_argument("--data", metavar="PATH", default=None,
-                   help="your documents: a directory of UTF-8 text files (one document each; non-UTF-8 files are "
-                   "skipped and counted), a .jsonl file (a 'text' field per line; an optional 'id' field names the "
+                   help="your documents: a directory of UTF-8 text files (one document each; binary files, not "
+                   "UTF-8 or mostly NUL or control bytes, are skipped, counted and named), a .jsonl file (a 'text' field per line; an optional 'id' field names the "
                    "privacy unit, e.g. a patient: documents sharing an id are sampled and clipped together) or a "
                    ".txt file (one document per line); tokenized with the model's tokenizer (bytes for --model NAME "
                    "and --hf-config) (default: none, the embedded stdlib corpus)")
@@ -73,13 +73,13 @@ def check_data_args(args) -> None:
 
 def load_documents_for(job):
     """(training Documents, held-out Documents or None), tokenized with the model's tokenizer."""
-    from . import hf
+    from . import models
     from ..documents import load_documents
 
     args = job.args
     if pretrained(args):
-        job.tokenizer = hf.load_tokenizer(args.model)
-        encode, pad = hf.tokenizer_encoder(job.tokenizer)
+        job.tokenizer = models.load_tokenizer(args.model)
+        encode, pad = models.tokenizer_encoder(job.tokenizer)
     else:
         encode, pad = (lambda text: list(text.encode("utf-8"))), 0  # byte-level, as the embedded corpus
 
@@ -102,32 +102,13 @@ def build_model_for(job) -> None:
     args = job.args
     job.model, job.model_desc, job.model_name = build_model(args, byte_level=job.tokenizer is None)
     if args.lora:
-        from .hf import add_lora, lora_description
+        from .models import add_lora, lora_description
 
         job.model = lf.CausalLMLoss(add_lora(job.model.lm, args.lora, args.lora_alpha, args.lora_targets))
         job.model_desc = {**job.model_desc, "lora": lora_description(args)}
         job.model_name += f" + LoRA r={args.lora} ({args.lora_targets})"
     job.model.train()  # from_pretrained returns a model in eval mode: fine-tuning runs dropout as configured
-    _check_positions(job.model, args.seq_len)
-
-
-def _check_positions(model, T: int) -> None:
-    """A sequence longer than the model's positions: refused where the positions are a learned table
-    (GPT-2's ``wpe``: position T-1 has no row), a warning where they are computed (RoPE runs past
-    ``max_position_embeddings``, but the model was never trained there)."""
-    import torch.nn as nn
-
-    lm = getattr(model, "lm", model)
-    config = getattr(lm, "config", None)
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if not isinstance(limit, int) or limit >= T:
-        return
-    learned = [n for n, m in lm.named_modules() if isinstance(m, nn.Embedding) and ("pos" in n.lower() or n.endswith("wpe"))]
-    if learned:
-        raise CLIError(f"--seq-len {T} is longer than the model's {limit} learned positions ({learned[0]}); "
-                       f"use --seq-len {limit} or less")
-    say(f"WARNING: --seq-len {T} is longer than the model's max_position_embeddings = {limit}: its positions are "
-        "computed (they run on), but it was never trained beyond them")
+    check_positions(job.model, args.seq_len)
 
 
 def data_signature(job) -> dict:

@@ -1,30 +1,91 @@
-"""The training loop of ``longshield-fx train`` and its closing report.
+"""The training loop of ``longshield-fx train`` (and ``audit``), and stopping it between steps.
 
 Per logical batch: accumulate this rank's physical batches, finalize (noise once, q from the
 sampler), step AdamW, write one metrics row (with the held-out loss every --eval-every
 steps), checkpoint every --save-every steps. Losses, timings and counts come from private
-data without noise: they go only under ``not_covered_by_dp``. At the end: the model (also in
-Hugging Face format for HF models), ``privacy.json``, the plot and ``summary.json``.
+data without noise: they go only under ``not_covered_by_dp``.
+
+Ctrl-C (SIGINT) or SIGTERM during a step lets the step finish, then saves a checkpoint of it and
+exits (130 or 143): the same command continues from there. A second one stops at once (the step
+in flight is lost, never saved half-done). Under torchrun every rank reports at every step
+boundary whether it was signalled (one all-reduced flag), so all ranks stop after the same step
+even when the signal reaches them at different steps.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
 
-from .checkpoints import atomic_save, checkpoint_dir
-from .corpus import NOT_COVERED, PRIVACY_UNIT
+from .checkpoints import checkpoint_dir, list_checkpoints, save_checkpoint
 from .common import say
-from ..run_core import DELTA_RULE, SAMPLE_RATE_CHOSEN, SAMPLE_RATE_DERIVED
-from .train import Job, sampling_choice, save_checkpoint
+from .corpus import NOT_COVERED
+from .job import Job
+
+_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as a shell reports it
 
 
-def run_steps(job: Job) -> None:
-    """Every remaining logical batch of the sampler, with a progress bar on rank 0."""
+class _StopRequests:
+    """SIGINT and SIGTERM handlers for the loop's duration: the first signal is noted (the step
+    runs on), a second one raises KeyboardInterrupt at once. Outside the loop (loading, compiling)
+    the handlers are the ones before it, so Ctrl-C there stops at once."""
+
+    def __init__(self):
+        self.signum = None
+        self._before = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # handlers can be set there only
+            for s in _EXIT:
+                self._before[s] = signal.signal(s, self._note)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._before.items():
+            signal.signal(s, handler)
+
+    def _note(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        say(f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (again to stop at "
+            "once, losing the step in flight)", file=sys.stderr)
+
+    def agreed(self, job: Job) -> int | None:
+        """The signal to stop on, the same on every rank: each rank's request, all-reduced."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.signum
+        device = job.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([self.signum or 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
+
+
+def run_steps(job: Job) -> int | None:
+    """Every remaining logical batch of the sampler, with a progress bar on rank 0. Returns None
+    when the run reached --steps, else the exit status of a stop asked for by a signal."""
+    try:
+        with _StopRequests() as stop:
+            return _steps(job, stop)
+    except KeyboardInterrupt:  # a second signal, or one outside the handlers: the step in flight is lost
+        newest = list_checkpoints(checkpoint_dir(job.run_dir))
+        say(f"interrupted after step {job.batches.step - 1}; "
+            + (f"the newest checkpoint is {newest[0][1].name}: continue with the same command, or "
+               f"longshield-fx train --resume {job.run_dir}" if newest else
+               "no checkpoint was written yet (--save-every): the same command starts the run over"),
+            file=sys.stderr)
+        raise
+
+
+def _steps(job: Job, stop: _StopRequests) -> int | None:
     from tqdm import tqdm
 
     args = job.args
@@ -46,9 +107,11 @@ def run_steps(job: Job) -> None:
                     job.ledger.record(job.engine, job.batches, "evaluation")
                 row[NOT_COVERED].update(_evaluate_on_rank0(job))
             job.rows.append(row)
+            job.steps_run += 1
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-            if args.save_every and (step % args.save_every == 0 or step == args.steps):
+            saved = bool(args.save_every) and (step % args.save_every == 0 or step == args.steps)
+            if saved:
                 save_checkpoint(job, step)
             loss = row[NOT_COVERED]["train_loss"]
             last_loss = loss if loss is not None else last_loss
@@ -56,7 +119,25 @@ def run_steps(job: Job) -> None:
                 bar.set_postfix_str(f"ε={row['epsilon']:.2f} loss(not DP)="
                                     f"{'-' if last_loss is None else f'{last_loss:.3f}'}", refresh=False)
             bar.update()
+            signum = stop.agreed(job) if step < args.steps else None
+            if signum is not None:
+                bar.close()
+                return _stop_after(job, step, signum, saved)
     bar.close()
+    return None
+
+
+def _stop_after(job: Job, step: int, signum: int, saved: bool) -> int:
+    """Step ``step`` is whole (its metrics row written): checkpoint it unless it just was (with
+    --save-every 0 nothing is saved, as asked), say how to continue, return the exit status."""
+    if not saved and job.args.save_every:
+        save_checkpoint(job, step)  # every rank: a sharded (--fsdp) save is collective
+    newest = list_checkpoints(checkpoint_dir(job.run_dir))
+    how = (f"checkpoint {newest[0][1].name}: the same command continues from step {newest[0][0]}, or "
+           f"longshield-fx train --resume {job.run_dir}") if newest else \
+        "no checkpoint (--save-every 0): the same command starts the run over"
+    say(f"stopped by {signal.Signals(signum).name} after step {step}/{job.args.steps}; {how}", file=sys.stderr)
+    return _EXIT[signum]
 
 
 def _one_step(job: Job, logical, step: int) -> dict:
@@ -139,149 +220,3 @@ def evaluate(model, docs, batch_size: int, device) -> dict:
     return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 700.0)), "eval_tokens": tokens}
 
 
-def plot_title(model_name: str, T: int, sampling: dict, sigma: float, unit: str = PRIVACY_UNIT) -> str:
-    """``sampling``: the user's own flag (``train.sampling_choice``), never the value derived from N."""
-    chosen = f"q={sampling['sample_rate']:g}" if "sample_rate" in sampling else f"E[B]={sampling['expected_batch_size']:g}"
-    return f"{model_name}, T={T}, {chosen}, σ={sigma:.3g}\nε {unit}\nlosses: NOT covered by DP (no noise)"
-
-
-def _fmt_time(s: float) -> str:
-    return f"{int(s // 60)}m{s % 60:04.1f}s" if s >= 60 else f"{s:.1f}s"
-
-
-def _private(row: dict) -> dict:
-    return row.get(NOT_COVERED) or {}
-
-
-def _loss_summary(rows: list[dict]) -> tuple[dict, int, float, float]:
-    """(first/last losses and non-finite count, k, mean of the first k, mean of the last k)."""
-    losses = [_private(r)["train_loss"] for r in rows if _private(r).get("train_loss") is not None]
-    k = min(5, max(1, len(losses) // 2))
-    first = sum(losses[:k]) / k if losses else float("nan")
-    last = sum(losses[-k:]) / k if losses else float("nan")
-    out = {"train_loss_first": losses[0] if losses else None, "train_loss_last": losses[-1] if losses else None,
-           f"train_loss_first{k}_mean": first, f"train_loss_last{k}_mean": last,
-           "nonfinite_samples": sum(_private(r).get("nonfinite_samples", 0) for r in rows)}
-    return out, k, first, last
-
-
-def summary(job: Job, eps: float, loop: float, wall: float, startup: float) -> dict:
-    """summary.json: what ε covers at the top, everything from private data under not_covered_by_dp."""
-    args, done = job.args, max(1, job.args.steps - job.start_step)
-    private, _, _, _ = _loss_summary(job.rows)
-    c = job.corpus.stats()
-    private.update({
-        "wall_s": round(wall, 2), "s_per_step": round(loop / done, 4),  # timings trace the batch sizes
-        "startup_s": round(startup, 2),  # loading the corpus takes time in proportion to it
-        "corpus": {**c, "data": args.data} if args.data else {"documents": job.corpus.num_units, **c},
-        "expected_batch_size": job.batches.expected_batch_size,  # q·N
-    })
-    if job.packed:
-        padding, slots, rows, pieces = job.packing
-        private["packing"] = {"unit_slots": job.unit_slots, "rows_per_physical_batch": job.batches.physical_batch_size,
-                              "padding_fraction": round(padding / slots, 6) if slots else None,
-                              "pieces_per_row": round(pieces / rows, 3) if rows else None,
-                              "padding_fraction_unpacked": c["padding_fraction"]}
-    if job.eval_set is not None:
-        private["eval"] = {**job.eval_set.stats(), **{k: v for k, v in _private(job.rows[-1]).items()
-                                                        if k.startswith("eval_")}} if job.rows else job.eval_set.stats()
-    if args.log_private_stats:
-        private["tokens"] = job.tokens_seen
-        private["tokens_per_s"] = job.rows[-1][NOT_COVERED].get("tokens_per_s") if job.rows else None
-    return {
-        "steps": args.steps, "resumed_from": job.start_step or None,
-        "privacy_unit": job.unit.removeprefix("per "), "epsilon": eps, "delta": job.delta,
-        "delta_rule": DELTA_RULE if args.delta is None else "given", "accountant": args.accountant,
-        "target_epsilon": None if args.sigma is not None else args.target_epsilon, "sigma": job.sigma,
-        "sample_rate": job.q, "sample_rate_source": SAMPLE_RATE_CHOSEN if args.sample_rate is not None else SAMPLE_RATE_DERIVED,
-        **sampling_choice(args),
-        "max_grad_norm": args.max_grad_norm, "insecure_seed": args.insecure_seed,
-        "privacy_void": args.insecure_seed is not None, "init_seed": args.seed, "seq_len": args.seq_len,
-        "max_files": None if args.data else args.max_files,
-        "parameters": sum(p.numel() for p in job.model.parameters()),
-        NOT_COVERED: private,
-    }
-
-
-def privacy_record(job: Job) -> dict:
-    """privacy.json: the guarantee of the released model (``run_core.privacy_record``)."""
-    from ..run_core import privacy_record as record
-
-    args = job.args
-    return record(job.engine, delta=job.delta, delta_given=args.delta is not None, unit=job.unit.removeprefix("per "),
-                  sample_rate=job.q, sample_rate_chosen=args.sample_rate is not None, model=job.model,
-                  insecure_seed=args.insecure_seed, final=True,
-                  not_covered="losses, timings and counts in metrics.jsonl and summary.json come from the data without "
-                              "noise; held-out evaluation documents are never trained on and are not protected by ε",
-                  lora=job.model_desc.get("lora"))
-
-
-def _write_outputs(job: Job, summary_: dict) -> str:
-    """Rank 0: final model (and its Hugging Face folder), privacy.json, the loss-vs-ε plot,
-    summary.json; returns the list of written files."""
-    from ..tools.plots import loss_vs_epsilon
-
-    from ..run_core import write_privacy_record
-
-    job.ledger.record(job.engine, job.batches, "final model")
-    final = job.run_dir / "final_model.pt"
-    atomic_save(job.model.state_dict(), final)
-    written = [str(job.metrics_path)]
-    if job.model_desc["kind"].startswith("hf"):
-        from .hf import save_hf_model
-
-        what = save_hf_model(job.model.lm, job.tokenizer, job.run_dir / "model", job.args.lora_save)
-        written.append(f"{job.run_dir / 'model'} ({what}, Hugging Face format)")
-    privacy = write_privacy_record(job.run_dir, privacy_record(job))
-    png = loss_vs_epsilon([{"epsilon": r["epsilon"], "loss": _private(r).get("train_loss"),
-                            "eval_loss": _private(r).get("eval_loss")} for r in job.rows],
-                          job.run_dir / "loss_vs_epsilon.png",
-                          title=plot_title(job.model_name, job.args.seq_len, sampling_choice(job.args),
-                                           job.sigma, job.unit))
-    summary_path = job.run_dir / "summary.json"
-    summary_path.write_text(json.dumps(summary_, indent=1) + "\n")
-    return ", ".join(written + [str(privacy), str(png), str(final), str(summary_path),
-                                str(job.run_dir / "signature.json")])
-
-
-def finish(job: Job) -> int:
-    args = job.args
-    wall, loop = time.time() - job.t_start, time.time() - job.t_loop
-    startup = job.t_loop - job.t_start
-    if job.fsdp:  # every rank takes part in gathering the whole model, which rank 0 writes
-        job.engine.sharding.unshard_model(job.model)
-    if not job.rank0:  # rank 0 accounts, writes and reports: no other rank loads dp_accounting and scipy
-        return 0
-    eps = job.engine.epsilon(job.delta)
-    summary_ = summary(job, eps, loop, wall, startup)
-    written = _write_outputs(job, summary_)
-    _, k, first, last = _loss_summary(job.rows)
-    private = summary_[NOT_COVERED]
-    speed = f"{loop / max(1, args.steps - job.start_step):.2f} s/step (timings trace the batch sizes: NOT covered by DP)"
-    if args.log_private_stats and private.get("tokens_per_s") is not None:
-        speed += f", {private['tokens_per_s']:.0f} tokens/s (NOT covered by DP)"
-    say(f"done: {args.steps} steps in {_fmt_time(wall)} (startup {_fmt_time(startup)}, training {_fmt_time(loop)}), "
-        f"{speed}")
-    say(f"training loss/token (NOT covered by DP): {first:.3f} -> {last:.3f} (mean of the first/last {k} non-empty "
-        f"steps); non-finite per-sample gradients (NOT covered by DP): {private['nonfinite_samples']}")
-    if "packing" in private and private["packing"]["padding_fraction"] is not None:
-        pk = private["packing"]
-        pieces = "no row held a document" if pk["pieces_per_row"] is None else \
-            f"{pk['pieces_per_row']:.2f} pieces of documents per row"  # None: every draw was empty
-        say(f"packing (NOT covered by DP): {pk['padding_fraction']:.1%} of the token slots computed were padding "
-            f"({pk['padding_fraction_unpacked']:.1%} with --no-pack), {pieces}")
-    if "eval" in private and "eval_loss" in private["eval"]:
-        e = private["eval"]
-        say(f"held-out loss/token (NOT covered by DP): {e['eval_loss']:.3f}, perplexity {e['eval_perplexity']:.2f} "
-            f"({e['eval_tokens']} tokens of {e['units']} held-out units)")
-    budget = ""
-    if args.sigma is None:
-        budget = f" <= target {args.target_epsilon:g}" if eps <= args.target_epsilon else \
-            f" > target {args.target_epsilon:g}!"
-    say(f"privacy: ε = {eps:.3f} {job.unit}, δ = {job.delta:.3g}, {args.accountant.upper()} accountant{budget} "
-        f"(σ = {job.sigma:.4g}, q = {job.q:.4g}, {args.steps} steps)"
-        + (f"; VOID: --insecure-seed {args.insecure_seed} made the noise and the sampling public"
-           if args.insecure_seed is not None else ""))
-    say(f"wrote {written}" + (f", checkpoints in {checkpoint_dir(job.run_dir)} (SECRET: the sampling key)"
-                              if args.save_every else ""))
-    return 0

@@ -34,7 +34,7 @@ class LlamaConfig:
     n_heads: int
     n_kv_heads: int
     ffn_dim: int
-    max_seq_len: int  # context length the shape is meant for; forward does not enforce it
+    max_seq_len: int  # context length the shape is meant for; forward does not enforce it, the CLI warns past it
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -47,7 +47,7 @@ class LlamaConfig:
 CONFIGS: dict[str, LlamaConfig] = {
     # Byte-level toy shapes for tests and quick runs.
     "tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                        ffn_dim=192, max_seq_len=1024, rope_theta=10000.0),
+                        ffn_dim=192, max_seq_len=2048, rope_theta=10000.0),
     "small": LlamaConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=2,
                          ffn_dim=768, max_seq_len=4096, rope_theta=10000.0),
     # Real Llama 3 shapes (as in the released HF configs, without Llama 3's long-context

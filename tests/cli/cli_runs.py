@@ -65,3 +65,11 @@ def assert_bit_identical(a: dict, b: dict):
 
 def metric_rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def printed_deprecations(caught) -> list[str]:
+    """The deprecation warnings of ``warnings.catch_warnings(record=True)`` that Python's default
+    filters print (FutureWarning always; DeprecationWarning only from __main__, never ours)."""
+    return [f"{w.category.__name__}: {w.message}" for w in caught
+            if issubclass(w.category, FutureWarning) or "deprecat" in str(w.message).lower()
+            and not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning))]

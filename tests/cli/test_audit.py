@@ -98,7 +98,7 @@ def test_more_canaries_than_memory_holds_are_refused_in_one_line_before_anything
     def built(*_):
         raise AssertionError("the corpus was loaded before the canary count was refused")
 
-    monkeypatch.setattr(audit, "_load_corpus", built)
+    monkeypatch.setattr(audit, "load_corpus", built)
     out = tmp_path / "big"
     code, _, err = _main(["audit", *JOB, "-T", 2048, "--canaries", 1000000000, "--out", out], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import pytest
 import torch
 import transformers
 
-from cli_runs import run_in_process
+from cli_runs import printed_deprecations, run_in_process
 from finetune_fixtures import documents, pretrain, save, tiny_llama, tokenizer, write_folder
 
 
@@ -84,7 +85,7 @@ def test_own_model_and_documents_train_and_the_saved_model_reloads(world):
     assert r.returncode == 0, r.stderr
     # The loader's report: units, rows, truncation, the skipped non-UTF-8 file.
     assert "data: " in r.stdout and "50 units (50 documents)" in r.stdout and "4 rows per unit" in r.stdout
-    assert "units truncated" in r.stdout and "(non-UTF-8: 1, empty: 0, one file reached twice: 0)" in r.stdout, r.stdout
+    assert "units truncated" in r.stdout and "(binary or non-UTF-8: 1, empty: 0, one file reached twice: 0)" in r.stdout, r.stdout
     # Packed by default (one process): several units per row, far less padding than R rows per unit.
     assert "packed into physical batches of" in r.stdout and "packing (NOT covered by DP): " in r.stdout, r.stdout
     packing = json.loads((run / "summary.json").read_text())["not_covered_by_dp"]["packing"]
@@ -104,9 +105,12 @@ def test_own_model_and_documents_train_and_the_saved_model_reloads(world):
 def test_lora_trains_only_the_adapters_and_saves_merged_or_as_adapter(world):
     import peft
     run = world / "lora"
-    r = run_in_process(["train", "--model", world / "random", "--data", world / "data", *QUICK, "--lora", 4,
-                        "--out", run], world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = run_in_process(["train", "--model", world / "random", "--data", world / "data", *QUICK, "--lora", 4,
+                            "--out", run], world)
     assert r.returncode == 0, r.stderr
+    assert printed_deprecations(caught) == []  # transformers' is_gradient_checkpointing, read by peft, among them
     assert "+ LoRA r=4" in r.stdout and " trained)" in r.stdout
     state = torch.load(run / "final_model.pt", weights_only=True)
     base = transformers.AutoModelForCausalLM.from_pretrained(world / "random").state_dict()
@@ -133,7 +137,7 @@ def test_lora_trains_only_the_adapters_and_saves_merged_or_as_adapter(world):
 
 
 def test_dp_finetuning_from_a_pretrained_start_lowers_held_out_loss(world, monkeypatch):
-    from longshield_fx.cli import hf
+    from longshield_fx.cli import models as hf
     from longshield_fx.cli.train_loop import evaluate
     from longshield_fx.documents import load_documents
     from longshield_fx.tools import plots
@@ -185,9 +189,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(world, tmp_path, monkey
         # JetMoE's own router counts the tokens per expert over the whole batch (split sizes of its
         # sort-and-group dispatch); without the fixed-shape stand-in the library swaps in for the
         # capture, that sum over the batch is refused.
-        from longshield_fx import _transformers
-        for key in [k for k in _transformers._FIXED_SHAPE_METHODS if k[0].endswith("modeling_jetmoe")]:
-            monkeypatch.delitem(_transformers._FIXED_SHAPE_METHODS, key)
+        from longshield_fx import _fixed_shape_forwards
+        for key in [k for k in _fixed_shape_forwards._FIXED_SHAPE_METHODS if k[0].endswith("modeling_jetmoe")]:
+            monkeypatch.delitem(_fixed_shape_forwards._FIXED_SHAPE_METHODS, key)
         _jetmoe(tmp_path / "jetmoe", transformers.AutoTokenizer.from_pretrained(world / "random"))
         model, says = tmp_path / "jetmoe", "cannot be trained with DP by longshield_fx: op aten.sum"
     elif case == "empty data":
@@ -237,7 +241,8 @@ PUBLIC = {
     "summary.json": {"steps", "resumed_from", "privacy_unit", "epsilon", "delta", "delta_rule", "accountant",
                      "target_epsilon", "sigma", "sample_rate", "sample_rate_source", "expected_batch_size",
                      "max_grad_norm", "insecure_seed", "privacy_void", "init_seed", "seq_len", "max_files",
-                     "parameters"},
+                     "parameters", "session.started_at_step", "session.steps_run", "session.resumed",
+                     "session.already_finished"},  # step counts: the user's --steps and where they resumed
     "signature.json": {"init_seed", "dp.max_grad_norm", "dp.noise_multiplier", "dp.clipping", "dp.expected_batch_size",
                        "dp.delta", "dp.accountant", "dp.insecure_seed", "dp.target_epsilon", "seq_len",
                        "physical_batch_size", "steps", "corpus.unit", "corpus.data_path_sha256", "corpus.max_rows",

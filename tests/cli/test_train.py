@@ -22,12 +22,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
-from cli_runs import (FAST, SHORT, assert_bit_identical, env, load_state, metric_rows, reported_epsilon, run_cli,
-                      run_in_process, train_losses)
+from cli_runs import (FAST, SHORT, assert_bit_identical, env, load_state, metric_rows, printed_deprecations,
+                      reported_epsilon, run_cli, run_in_process, train_losses)
 from longshield_fx import cli
 from oracles import log_excerpt
 from longshield_fx.cli.checkpoints import atomic_save, list_checkpoints
@@ -42,9 +43,29 @@ def short_run(tmp_path_factory):
     """12 steps at T=128 with a checkpoint every 2 steps (the newest 2 are kept), σ calibrated
     to the default target ε with the default (PLD) accountant."""
     root = tmp_path_factory.mktemp("short")
-    res = run_in_process([*SHORT, "--out", "run"], root)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run_in_process([*SHORT, "--out", "run"], root)
     assert res.returncode == 0, res.stderr[-3000:]
+    res.warnings = printed_deprecations(caught)
     return root / "run", res
+
+
+def test_a_run_and_the_process_group_teardown_print_no_deprecation_warning(short_run, tmp_path):
+    """Nothing of torch's or transformers' deprecations reaches a user's console: not in a default
+    run, nor from the teardown every torchrun rank ends with (it printed torch's ``reduce_op``
+    FutureWarning twice per rank). --lora's: ``test_finetune``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert short_run[1].warnings == []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli.tear_down_processes(finished=True)
+    assert not dist.is_initialized()
+    assert printed_deprecations(caught) == []
 
 
 def test_train_writes_metrics_plot_and_epsilon_within_target(short_run):
@@ -238,6 +259,35 @@ def test_help_says_what_seed_delta_accountant_and_checkpoints_mean():
     assert "VOIDS THE PRIVACY GUARANTEE" in helps["insecure_seed"] and train.get_default("insecure_seed") is None
     assert train.get_default("accountant") == "pld"
     assert "NOT covered by ε" in helps["log_private_stats"] and not train.get_default("log_private_stats")
+
+
+def _flag_help(flag: str) -> str:
+    action = next(a for a in cli.build_parser().commands["train"]._actions if flag in a.option_strings)
+    return " ".join(action.help.split())
+
+
+def test_each_flag_help_says_what_the_flag_does_where_the_two_had_drifted(capsys):
+    """--no-pack (packing is the default under --fsdp too: test_torchrun_packed_documents_...), --model
+    (the sizes and positions it states, no timing it cannot keep), --data (binary files), --save-every
+    (a checkpoint on a signal: test_a_signal_saves_...); the tiny model's positions checked against T."""
+    from longshield_fx.cli.models import check_positions
+    from longshield_fx.models import CONFIGS, Llama
+
+    no_pack = _flag_help("--no-pack")
+    assert "--fsdp" in no_pack and "padded layout is used" not in no_pack
+    model = _flag_help("--model")
+    tiny, small = (sum(p.numel() for p in Llama.from_name(n).parameters()) for n in ("tiny", "small"))
+    assert f"'tiny' has {round(tiny / 1e3)}k parameters and positions for T <= {CONFIGS['tiny'].max_seq_len}" in model
+    assert f"'small' {small / 1e6:.1f}M and T <= {CONFIGS['small'].max_seq_len}" in model
+    assert "minutes" not in model and "s per step" not in model  # timings live where they were measured
+    default_T = cli.build_parser().parse_args(["train"]).seq_len
+    check_positions(Llama.from_name("tiny"), default_T)
+    assert capsys.readouterr().out == ""  # the default run: no warning
+    check_positions(Llama.from_name("tiny"), 2 * CONFIGS["tiny"].max_seq_len)
+    assert f"WARNING: --seq-len {2 * CONFIGS['tiny'].max_seq_len} is longer than the reference model's max_seq_len" \
+        in capsys.readouterr().out
+    assert "mostly NUL or control bytes, are skipped, counted and named" in _flag_help("--data")
+    assert "when Ctrl-C or SIGTERM stops the run" in _flag_help("--save-every")
 
 
 def test_same_seed_gives_the_same_initial_model_but_different_noise(tmp_path, capsys):
@@ -446,6 +496,55 @@ def test_an_interrupted_run_says_how_to_continue_it(tmp_path, monkeypatch):
     assert res.returncode == 130
     assert (f"interrupted after step 2; the newest checkpoint is ckpt-00000002.pt: continue with the same command, "
             f"or longshield-fx train --resume {tmp_path / 'run'}") in res.stderr
+
+
+def test_a_signal_saves_the_finished_step_and_the_same_command_continues_with_timings_of_its_own(tmp_path,
+                                                                                                   monkeypatch):
+    """SIGTERM during step 2, then Ctrl-C (SIGINT) during step 4, both before the first --save-every
+    checkpoint: each step finishes and is checkpointed before the exit, and the same command continues
+    from it. The metrics hold every step once, ε is the uninterrupted 6 steps', summary.json's timings
+    count the steps the last session ran and say it resumed; a rerun of the finished run keeps its outputs."""
+    import os
+
+    from longshield_fx.cli import train_loop
+    from longshield_fx.runtime.accounting import epsilon_for
+
+    real, signal_at = train_loop._one_step, {}
+
+    def signalled_during(job, logical, step):
+        if step in signal_at:
+            os.kill(os.getpid(), signal_at.pop(step))  # the handler only notes it: the step runs on
+        return real(job, logical, step)
+
+    monkeypatch.setattr(train_loop, "_one_step", signalled_during)
+    run = tmp_path / "run"
+    args = ["train", "--steps", 6, "-T", 32, *FAST, "--sigma", 1, "--accountant", "rdp", "--out", run]
+    signal_at[2] = signal.SIGTERM
+    res = run_in_process(args, tmp_path)
+    assert res.returncode == 143, res.stderr[-2000:]
+    assert ("stopped by SIGTERM after step 2/6; checkpoint ckpt-00000002.pt: the same command continues from step 2"
+            in res.stderr)
+    signal_at[4] = signal.SIGINT
+    res = run_in_process(args, tmp_path)
+    assert res.returncode == 130 and "stopped by SIGINT after step 4/6" in res.stderr, res.stderr[-2000:]
+    assert [p.name for _, p in list_checkpoints(run / "checkpoints")] == ["ckpt-00000004.pt", "ckpt-00000002.pt"]
+    res = run_in_process(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "done: steps 5-6 of 6 (resumed at step 4;" in res.stdout
+    rows = metric_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    summary = json.loads((run / "summary.json").read_text())
+    assert rows[-1]["epsilon"] == summary["epsilon"] == pytest.approx(
+        epsilon_for(1.0, summary["sample_rate"], 6, summary["delta"], "rdp"), rel=1e-9)
+    assert summary["session"] == {"started_at_step": 4, "steps_run": 2, "resumed": True, "already_finished": False}
+    timing = summary["not_covered_by_dp"]
+    assert timing["s_per_step"] == pytest.approx(timing["training_s"] / 2, abs=0.01)  # rounded to 0.01 s
+    assert timing["training_s_all_sessions"] > timing["training_s"]
+
+    again = run_in_process(args, tmp_path)  # the finished run, run again: nothing to do, nothing rewritten
+    assert again.returncode == 0 and "had already finished (step 6/6)" in again.stdout, again.stdout
+    assert json.loads((run / "summary.json").read_text()) == summary
+    assert reported_epsilon(again.stdout)[0] == pytest.approx(summary["epsilon"], abs=1e-3)
 
 
 def test_atomic_save_never_leaves_a_partial_checkpoint(tmp_path, monkeypatch):

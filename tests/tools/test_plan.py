@@ -313,7 +313,7 @@ def test_a_hugging_face_model_is_planned_from_its_config(qwen, captures, capsys)
     blocks = [sum(p.numel() for p in block.parameters()) for block in lm.model.layers]
     assert sorted(stats.units) == sorted(blocks + [lm.model.embed_tokens.weight.numel(),
                                                    lm.lm_head.weight.numel() + lm.model.norm.weight.numel()])
-    from longshield_fx.cli.hf import load_config_json
+    from longshield_fx.cli.models import load_config_json
     # Where a config was read from is not part of its spec: the two flags share one capture.
     assert plan_graphs.hf_model(load_config_json(str(folder / "config.json"))) == spec.model
     T3 = third_T(spec)

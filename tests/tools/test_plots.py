@@ -5,7 +5,7 @@ matplotlib.use("Agg", force=True)
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from longshield_fx.cli.train_loop import plot_title  # noqa: E402
+from longshield_fx.cli.train_report import plot_title  # noqa: E402
 from longshield_fx.tools import plots  # noqa: E402
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face models in the CLI: a local pretrained directory (``--model DIR``), a randomly
+"""The model a subcommand trains or inspects: a reference Llama by name (``--model tiny``), or a
+Hugging Face one: a local pretrained directory (``--model DIR``), a randomly
 initialised model of any causal-LM architecture from a config JSON (``--hf-config``), LoRA
 adapters (``--lora``, with the optional ``peft`` package) and the trained model written back
 in Hugging Face format (``--out/model/``).
@@ -8,12 +9,14 @@ imported here only, when a flag asks for them.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
 
-from .common import CLIError
+from .common import CLIError, say
 
 # Config keys that say where or with which library version a config was written, not what
 # the model is: left out of the run signature so a copied model directory still resumes.
@@ -21,7 +24,78 @@ _VOLATILE = {"transformers_version", "_name_or_path", "architectures", "id2label
              "_attn_implementation_autoset", "dtype", "torch_dtype"}
 
 
-def _transformers(flag: str):
+def check_model_flags(args) -> None:
+    """Fail fast on --model / --hf-config, before processes, data and compilation."""
+    from ..models import CONFIGS
+
+    if args.hf_config:
+        if args.model != "tiny":
+            raise CLIError("pass either --model or --hf-config, not both")
+        load_config_json(args.hf_config)
+    elif args.model not in CONFIGS:
+        if not is_model_dir(args.model):
+            raise CLIError(f"--model {args.model}: neither a reference model name ({', '.join(CONFIGS)}) nor a "
+                           "directory")
+        check_model_dir(args.model)
+
+
+def pretrained(args) -> bool:
+    """--model names a Hugging Face model directory (its weights and tokenizer are used)."""
+    from ..models import CONFIGS
+
+    return not args.hf_config and args.model not in CONFIGS
+
+
+def build_model(args, byte_level: bool = True):
+    """(CausalLMLoss model, model description for the signature, display name). ``byte_level``:
+    the data are bytes (the embedded corpus), so the vocabulary must hold 256 tokens."""
+    import longshield_fx as lf
+
+    if args.hf_config:
+        lm, desc, name = random_model(load_config_json(args.hf_config), args.seed, args.hf_config)
+    elif pretrained(args):
+        torch.manual_seed(args.seed)  # dropout's RNG only: the weights are loaded
+        lm, desc, name = pretrained_model(args.model)
+    else:
+        from ..models import CONFIGS, Llama
+
+        torch.manual_seed(args.seed)
+        lm = Llama.from_name(args.model)
+        return lf.CausalLMLoss(lm), {"kind": "llama", "name": args.model, **dataclasses.asdict(CONFIGS[args.model])}, \
+            f"Llama {args.model!r}"
+    if byte_level:
+        check_byte_vocab(lm, "--model" if pretrained(args) else "--hf-config")
+    return lf.CausalLMLoss(lm), desc, name
+
+
+def check_positions(model, T: int) -> None:
+    """A sequence longer than the model's positions: refused where the positions are a learned table
+    (GPT-2's ``wpe``: position T-1 has no row), a warning where they are computed (RoPE runs past
+    ``max_position_embeddings``, but the model was never trained there; the reference Llama's
+    ``max_seq_len`` alike)."""
+    import torch.nn as nn
+
+    from ..models import LlamaConfig
+
+    lm = getattr(model, "lm", model)
+    if isinstance(getattr(lm, "cfg", None), LlamaConfig):  # the reference Llama: RoPE, computed positions
+        if lm.cfg.max_seq_len < T:
+            say(f"WARNING: --seq-len {T} is longer than the reference model's max_seq_len = {lm.cfg.max_seq_len}: its "
+                "positions are computed (they run on), but the shape is meant for sequences up to it")
+        return
+    config = getattr(lm, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not isinstance(limit, int) or limit >= T:
+        return
+    learned = [n for n, m in lm.named_modules() if isinstance(m, nn.Embedding) and ("pos" in n.lower() or n.endswith("wpe"))]
+    if learned:
+        raise CLIError(f"--seq-len {T} is longer than the model's {limit} learned positions ({learned[0]}); "
+                       f"use --seq-len {limit} or less")
+    say(f"WARNING: --seq-len {T} is longer than the model's max_position_embeddings = {limit}: its positions are "
+        "computed (they run on), but it was never trained beyond them")
+
+
+def import_transformers(flag: str):
     try:
         import transformers
     except ImportError:
@@ -51,7 +125,7 @@ def load_config_json(path: str):
     p = Path(path)
     if not p.is_file():
         raise CLIError(f"--hf-config: no such file: {path}")
-    transformers = _transformers("--hf-config")
+    transformers = import_transformers("--hf-config")
     try:
         fields = json.loads(p.read_text())
         if not isinstance(fields, dict):
@@ -74,7 +148,7 @@ def _causal_lm(make, what: str):
 
 def random_model(cfg, seed: int, path: str):
     """A randomly initialised causal LM of ``cfg``'s architecture (model init seeded by ``seed``)."""
-    transformers = _transformers("--hf-config")
+    transformers = import_transformers("--hf-config")
     torch.manual_seed(seed)
     lm = _causal_lm(lambda attn: transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn),
                     f"--hf-config {path}")
@@ -83,7 +157,7 @@ def random_model(cfg, seed: int, path: str):
 
 def pretrained_model(path: str):
     """The causal LM of a local model directory, weights loaded in fp32."""
-    transformers = _transformers("--model DIR")
+    transformers = import_transformers("--model DIR")
     p = check_model_dir(path)
 
     def make(attn):
@@ -98,7 +172,7 @@ def pretrained_model(path: str):
 
 
 def load_tokenizer(path: str):
-    transformers = _transformers("--model DIR")
+    transformers = import_transformers("--model DIR")
     try:
         tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
@@ -127,7 +201,7 @@ def require_peft():
     try:
         import peft
     except ImportError:
-        raise CLIError("--lora needs the peft package: pip install peft (or pip install 'longshield_fx[hf]')") \
+        raise CLIError("--lora needs the peft package: pip install peft (or pip install -e '.[hf]' in the repository)") \
             from None
     return peft
 
@@ -140,7 +214,13 @@ def add_lora(lm, rank: int, alpha: float | None, targets: str):
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank if alpha is None else alpha, target_modules=target,
                              lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     try:
-        return peft.get_peft_model(lm, config)
+        with warnings.catch_warnings():
+            # transformers 5 renamed PreTrainedModel.is_gradient_checkpointing to is_activation_checkpointing,
+            # keeping the old name as a FutureWarning alias until v6; peft (0.21) still reads the old name
+            # in PeftModel.__init__, so every --lora run printed the warning.
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning, module=r"transformers\.modeling_utils")
+            return peft.get_peft_model(lm, config)
     except ValueError as e:
         raise CLIError(f"--lora-targets {targets}: {' '.join(str(e).split())}") from None
 
