@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._allocator import keep_freed_memory
 from .config import DPConfig
 from .runtime.engine import Engine
 
@@ -52,6 +53,10 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
 
     ``disable_passes``: names of passes to leave out of the pipeline, for experiments and
     benchmarks (e.g. ``("overlap",)``); ``print(engine)`` shows the pipeline.
+
+    A model with parameters on the CPU sets glibc's malloc to reuse freed memory (once per
+    process: ``longshield_fx._allocator``), which the step's large temporaries need to run
+    without a page fault per fresh page.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be an nn.Module, got {type(model).__name__}")
@@ -75,5 +80,7 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
             raise ValueError("compile: packed documents (packed_units) run over 'dp' and 'cp' mesh dims (with or "
                              "without fsdp), not yet over an 'hp' dim (2D attention); way out: a mesh without 'hp', "
                              "or unpacked batches (CLI --no-pack)")
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        keep_freed_memory()
     return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp,
                   reshard_after_forward=reshard_after_forward, packed_units=packed_units)
