@@ -11,7 +11,9 @@ same tokens run as:
   real token: the cost of a slot of the unpacked DP step;
 - ``eager, not private``: the packed batch through the model's own forward and ``backward()``
   (no per-unit work at all): the floor the DP step is compared with;
-- ``torch.compile'd, not private`` (``--compiled``): that step through ``torch.compile``.
+- ``--compiled`` adds the packed (at the first ``--slots`` value) and the padded DP step through
+  inductor (``compile(..., inductor=True)``) and the non-private step through ``torch.compile``,
+  their compile times left out.
 
 The "÷ eager" column of a DP layout is the inverse of its document tokens per second as a share
 of the non-private step's (the same tokens either way): 1.11 is 0.9 of it.
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--compiled", action="store_true",
-                   help="add the same non-private step through torch.compile (inductor; its compile time left out)")
+                   help="add the DP steps through inductor and the non-private one through torch.compile")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     slots = [int(s) for s in args.slots.split(",")]
@@ -124,6 +126,12 @@ def main(argv=None) -> int:
 
     calls["eager, not private"] = eager
     if args.compiled:
+        U = slots[0]
+        fused = lf.compile(lf.PackedCausalLMLoss(lm), config=config, packed_units=U, inductor=True)
+        batch = (ids, labels, positions, torch.where(unit == max(slots), U, unit))
+        calls[f"packed U={U}, inductor"] = lambda: fused.accumulate(*batch)
+        fused_padded = lf.compile(lf.CausalLMLoss(lm), config=config, inductor=True)
+        calls["padded (R = 1), inductor"] = lambda: fused_padded.accumulate(pids, pids, mask=torch.ones(rows))
         compiled = torch.compile(plain, fullgraph=True)
 
         def compiled_step():
