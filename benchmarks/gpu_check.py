@@ -11,6 +11,7 @@ and after cuDNN took the op's one-document rows (seventh session).
     python benchmarks/gpu_check.py zoo [--workers 4] [--dtype float32|bfloat16] [arch ...]
     python benchmarks/gpu_check.py dropout
     python benchmarks/gpu_check.py step [--cases 4096:none 32768:block ...] [--budget S] [--profile]
+        [--methods eager dp dp-packed dp-inductor dp-packed-inductor]
     python benchmarks/gpu_check.py packed [--device cuda] [--seq-lens 4096 16384 32768] [--speed-only]
     python benchmarks/gpu_check.py kernels [--device cuda] [--noise-values N] [--head V D POSITIONS]
 
@@ -232,7 +233,8 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str, device: st
             opt.zero_grad(set_to_none=True)
     else:
         config = lf.DPConfig(1.0, 1.0, compute_dtype=torch.bfloat16)
-        if method == "dp-packed":
+        inductor = method.endswith("-inductor")  # the rewritten graph through inductor
+        if method.removesuffix("-inductor") == "dp-packed":
             from longshield_fx.packing import pack_documents
             # U + 1 copies of every parameter the cost model keeps per-sample (the embedding) must fit
             # beside the model: 4 slots, documents of median T/2.
@@ -243,11 +245,12 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str, device: st
             batch = tuple(t.to(dev) for t in packed.tensors())
             model = lf.PackedCausalLMLoss(lm)
             engine = lf.compile(model, config=config, checkpoint=None if checkpoint == "none" else checkpoint,
-                                packed_units=4)
+                                packed_units=4, inductor=inductor)
             size = len(packed.members)
             tokens = int((packed.units < 4).sum())
         else:
-            engine = lf.compile(model, config=config, checkpoint=None if checkpoint == "none" else checkpoint)
+            engine = lf.compile(model, config=config, checkpoint=None if checkpoint == "none" else checkpoint,
+                                inductor=inductor)
             batch, size = (ids, ids), 1
             tokens = seq_len
         logical = LogicalBatch(size=size, indices=torch.arange(size), physical=[], sample_rate=1e-3,
@@ -334,6 +337,11 @@ def step(args) -> None:
         ratio = f"{d['step_s'] / e['step_s']:.2f}" if "error" not in e and "error" not in d else "-"
         print(f"| {seq_len} | {checkpoint} | {cell(e)} | {cell(d)} | {ratio} | "
               f"{d.get('noise_s') and round(d['noise_s'], 3)} | {cell(p)} | {per_k(e)}, {per_k(d)}, {per_k(p)} |")
+    for seq_len, checkpoint, row in rows:  # methods outside the table (e.g. dp-inductor, dp-packed-inductor)
+        for method in set(row) - {"eager", "dp", "dp-packed"}:
+            r = row[method]
+            print(f"\n{method}, T={seq_len}, checkpoint={checkpoint}: {cell(r)}, {per_k(r)} s per 1k tokens"
+                  + ("" if "error" in r else f" (first step, with its compile: {r['first_s']:.1f} s)"))
 
 
 # ---------------------------------------------------------------- packed documents

@@ -7,8 +7,9 @@ space, so a tail beyond 4T), or ``--data DIR``: every UTF-8 text file under DIR 
 
 The padded layout is today's ``load_documents`` one: each unit as R = min(max_rows, most rows
 of any unit) rows of T tokens, ``CausalLMLoss``, physical batches of B units (B·R rows). The
-packed layout: ``pack_documents`` into physical batches of B·R rows and U unit slots,
-``PackedCausalLMLoss``, ``compile(..., packed_units=U)``. Both engines run the same logical
+packed layout: ``pack_documents`` into physical batches of the rows and U unit slots the CLI
+picks (``packing.packed_rows``: b·R rows, b = E // 128 in [1, B]; 4 slots per row), or
+``--packed-rows`` / ``--slots``, ``PackedCausalLMLoss``, ``compile(..., packed_units=U)``. Both engines run the same logical
 batches (the same Poisson draws over units, q = E[units] / N), flat clipping C = 1, σ = 1, so
 the per-document ε is the same. A step is every physical batch of the logical batch
 (``accumulate``) and ``finalize``; document tokens are the predicted tokens of the sampled
@@ -20,6 +21,7 @@ each ``--ring-cp`` degree, counted from the batches' document ids (``pairs_skipp
 
     python benchmarks/packed_documents.py [--seq-len 256] [--units-per-batch 4] [--max-rows 4]
         [--expected-units 32] [--units 2000] [--repeats 5] [--model tiny] [--data DIR] [--ring-cp 2,4,8]
+        [--packed-rows ROWS] [--slots U]
 
 Prints a table (markdown) and writes it to benchmarks/results/packed_documents.md, in the section
 headed by its command line (other commands' sections are kept).
@@ -41,7 +43,7 @@ from longshield_fx.data import LogicalBatch
 from longshield_fx.losses import document_segments
 from longshield_fx.ops.ring_schedule import pairs_skipped
 from longshield_fx.models.llama import Llama
-from longshield_fx.packing import pack_documents, unit_pieces
+from longshield_fx.packing import pack_documents, packed_rows, unit_pieces, unit_slots_for
 from longshield_fx.runtime.accounting import PrivacyAccountant
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -100,7 +102,8 @@ def main() -> None:
     ap.add_argument("--max-rows", type=int, default=4, help="rows per unit in the padded layout (at most)")
     ap.add_argument("--expected-units", type=float, default=32, help="E[units] per logical batch (q·N)")
     ap.add_argument("--units", type=int, default=2000, help="units in the synthetic corpus")
-    ap.add_argument("--slots", type=int, default=0, help="U: unit slots per packed batch (default 8·B·R)")
+    ap.add_argument("--packed-rows", type=int, default=0, help="rows per packed batch (default: the CLI's rule)")
+    ap.add_argument("--slots", type=int, default=0, help="U: unit slots per packed batch (default: 4 per row)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--data", default=None, help="a directory of text files (one unit each) instead")
@@ -114,9 +117,10 @@ def main() -> None:
     units = [u for u in units if unit_pieces(u, T)]
     N = len(units)
     R = min(args.max_rows, max(len(unit_pieces(u, T)) for u in units))
-    B, rows = args.units_per_batch, args.units_per_batch * R
-    slots = args.slots or 8 * rows
     q = min(1.0, args.expected_units / N)
+    B = args.units_per_batch
+    rows = args.packed_rows or packed_rows(R, B, q * N)
+    slots = args.slots or unit_slots_for(rows)
     config = lf.DPConfig(max_grad_norm=1.0, noise_multiplier=1.0)
     padded = lf.compile(lf.CausalLMLoss(lm), config=config)
     packed = lf.compile(lf.PackedCausalLMLoss(lm), config=config, packed_units=slots)
@@ -176,6 +180,11 @@ def main() -> None:
         per = statistics.median(r[1] for r in rows_out[k])
         secs = statistics.median(r[2] for r in rows_out[k])
         lines.append(f"| {k} | {shape} | {pad:.1%} | {per:g} | {secs:.2f} | {med[k]:.0f} | {med[k] / med['padded']:.2f} |")
+    pads = {k: slots_out[k][0] / slots_out[k][1] for k in slots_out}
+    ideal = (1 - pads["packed"]) / (1 - pads["padded"])
+    lines += ["", f"Packed ÷ padded: {med['packed'] / med['padded']:.2f}× for an ideal (1 − packed padding) / (1 − "
+              f"padded padding) = {ideal:.2f}×: {med['packed'] / med['padded'] / ideal:.2f} of ideal (machine load "
+              f"{os.getloadavg()[0]:.2f})."]
     if ring_cps:
         lines += ["", "Under context parallelism, the ring attention of these packed batches skips "
                   + ", ".join(f"{ring[cp][0] / ring[cp][1]:.1%} of the (row, chunk pair)s at cp = {cp}" for cp in ring_cps)

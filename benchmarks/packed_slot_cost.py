@@ -10,7 +10,13 @@ same tokens run as:
 - ``padded``: ``compile(CausalLMLoss)`` on ``--rows`` rows of one unit each (R = 1), every slot a
   real token: the cost of a slot of the unpacked DP step;
 - ``eager, not private``: the packed batch through the model's own forward and ``backward()``
-  (no per-unit work at all): the floor the DP step is compared with.
+  (no per-unit work at all): the floor the DP step is compared with;
+- ``--compiled`` adds the packed (at the first ``--slots`` value) and the padded DP step through
+  inductor (``compile(..., inductor=True)``) and the non-private step through ``torch.compile``,
+  their compile times left out.
+
+The "÷ eager" column of a DP layout is the inverse of its document tokens per second as a share
+of the non-private step's (the same tokens either way): 1.11 is 0.9 of it.
 
 Times are medians of ``--repeats`` calls of ``engine.accumulate`` (the step's graph; ``finalize``
 is once per logical batch and the same for every layout), the layouts taking turns call by call
@@ -18,7 +24,7 @@ so machine drift hits all alike, one thread. ``--profile`` adds, per layout, the
 one call by category (matmuls, attention, norms, copies and gathers, elementwise, other).
 
     python benchmarks/packed_slot_cost.py [--model tiny] [--rows 8] [--seq-len 256] [--median 56]
-        [--slots 32,128,512,1024] [--repeats 15] [--profile]
+        [--slots 32,128,512,1024] [--repeats 15] [--profile] [--compiled]
 """
 from __future__ import annotations
 
@@ -91,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--slots", default="32,128,512,1024")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--compiled", action="store_true",
+                   help="add the DP steps through inductor and the non-private one through torch.compile")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     slots = [int(s) for s in args.slots.split(",")]
@@ -117,6 +125,20 @@ def main(argv=None) -> int:
         lm.zero_grad(set_to_none=True)
 
     calls["eager, not private"] = eager
+    if args.compiled:
+        U = slots[0]
+        fused = lf.compile(lf.PackedCausalLMLoss(lm), config=config, packed_units=U, inductor=True)
+        batch = (ids, labels, positions, torch.where(unit == max(slots), U, unit))
+        calls[f"packed U={U}, inductor"] = lambda: fused.accumulate(*batch)
+        fused_padded = lf.compile(lf.CausalLMLoss(lm), config=config, inductor=True)
+        calls["padded (R = 1), inductor"] = lambda: fused_padded.accumulate(pids, pids, mask=torch.ones(rows))
+        compiled = torch.compile(plain, fullgraph=True)
+
+        def compiled_step():
+            compiled(ids, labels, positions, unit).sum().backward()
+            lm.zero_grad(set_to_none=True)
+
+        calls["torch.compile'd, not private"] = compiled_step
     for call in calls.values():  # capture, compile, warm caches
         call()
         call()

@@ -4,13 +4,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._allocator import keep_freed_memory
 from .config import DPConfig
 from .runtime.engine import Engine
 
 
 def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, checkpoint=None,
             inner_ring: int | None = None, fsdp=None, reshard_after_forward: bool = True,
-            disable_passes=(), packed_units: int = 0) -> Engine:
+            disable_passes=(), packed_units: int = 0, inductor: bool = False) -> Engine:
     """Compile ``model`` into a DP training engine.
 
     ``model.forward(*batch)`` must return per-sample losses of shape (B,); the objective is
@@ -52,6 +53,17 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
 
     ``disable_passes``: names of passes to leave out of the pipeline, for experiments and
     benchmarks (e.g. ``("overlap",)``); ``print(engine)`` shows the pipeline.
+
+    ``inductor``: run the rewritten train graph through ``torch.compile`` (inductor; one
+    process, no mesh): its elementwise work (masks, clip factors, norms' squares) fused, the
+    custom ops (document attention, per-unit products, the LM head) called as they are. The
+    results equal the plain graph's within float rounding; the first step pays the compile
+    (about 40 s for the ``tiny`` reference model on a 2-core CPU), later ones run 10-15% faster
+    there (``benchmarks/packed_slot_cost.py``). Off by default: a short run loses.
+
+    A model with parameters on the CPU sets glibc's malloc to reuse freed memory (once per
+    process: ``longshield_fx._allocator``), which the step's large temporaries need to run
+    without a page fault per fresh page.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be an nn.Module, got {type(model).__name__}")
@@ -75,5 +87,10 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
             raise ValueError("compile: packed documents (packed_units) run over 'dp' and 'cp' mesh dims (with or "
                              "without fsdp), not yet over an 'hp' dim (2D attention); way out: a mesh without 'hp', "
                              "or unpacked batches (CLI --no-pack)")
+    if inductor and mesh is not None:
+        raise ValueError("compile: inductor=True runs on one process (no mesh) for now: the graph's collectives "
+                         "have not been checked through inductor here; way out: inductor=False")
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        keep_freed_memory()
     return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp,
-                  reshard_after_forward=reshard_after_forward, packed_units=packed_units)
+                  reshard_after_forward=reshard_after_forward, packed_units=packed_units, inductor=bool(inductor))

@@ -17,7 +17,7 @@ class PassContext:
     sharded along dim 0 over that group (``runtime.fsdp``), replicated over the replica group;
     ``reshard_after_forward``: the backward gathers each parameter again (True) or reads the
     forward's gather (False; ``gather_params``). ``packed_units``: U > 0 when rows hold packed
-    documents (``per_sample``'s ``Packing``); the samples are then the U unit slots, not the rows.
+    documents (``packed_tokens.Packing``); the samples are then the U unit slots, not the rows.
     """
 
     captured: CapturedGraph

@@ -62,7 +62,8 @@ from ..ops import lm_head_loss as _op
 from ._context import PassContext
 from ._graph import GraphBuilder, eliminate_dead_code, norm_dim, permutation, val
 from .batch_dims import BatchDim, batch_dim
-from .per_sample import Packing, PerSampleGrad, Rewriter, per_sample_rule
+from .packed_tokens import Packing
+from .per_sample import PerSampleGrad, Rewriter, per_sample_rule
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)

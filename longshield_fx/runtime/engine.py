@@ -85,8 +85,10 @@ class Engine(CheckpointState):
 
     def __init__(self, model: nn.Module, config: DPConfig | None, mesh=None, checkpoint=None,
                  disable_passes=(), inner_ring: int | None = None, fsdp=None, reshard_after_forward: bool = True,
-                 packed_units: int = 0):
+                 packed_units: int = 0, inductor: bool = False):
         self.model = model
+        self.inductor = inductor
+        self._compiled: dict[str, tuple] = {}  # graph -> (its lowering, that lowering through inductor)
         self.packed_units = packed_units
         self.checkpoint = checkpoint
         self.config = config
@@ -190,6 +192,15 @@ class Engine(CheckpointState):
             torch.manual_seed(0)
             _, norms, *_ = lowered.gm(*args)
         return norms.double()
+
+    def _runner(self, graph: str, lowered: Lowered):
+        """What runs ``lowered``: its graph module, or (``compile(..., inductor=True)``) that
+        module through inductor, compiled once per lowering."""
+        if not self.inductor:
+            return lowered.gm
+        if self._compiled.get(graph, (None,))[0] is not lowered:
+            self._compiled[graph] = (lowered, torch.compile(lowered.gm, fullgraph=True, dynamic=False))
+        return self._compiled[graph][1]
 
     def _padded(self, batch: tuple, mask: torch.Tensor | None = None):
         """``batch`` (and ``mask``) as the graph runs them: a batch of one as two rows, the second a
@@ -356,7 +367,7 @@ class Engine(CheckpointState):
             run, run_mask = self._padded(batch, mask)
             sharded = self.parallel.shard(run)
         batch, mask = run, run_mask
-        captured, gm = lowered.captured, lowered.gm
+        captured, gm = lowered.captured, self._runner("train", lowered)
         loss_val = val(captured.cotangent_placeholder())
         cotangent = mask.to(device=batch[0].device, dtype=loss_val.dtype)
         args = self._args(captured, sharded, cotangent)

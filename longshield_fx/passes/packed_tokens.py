@@ -1,0 +1,169 @@
+"""The token geometry of a packed batch for the passes (``compile(..., packed_units=U)``):
+each token's unit slot, the tokens sorted by unit, each slot's token count, and token-row copies
+of the graph's tensors, made once per graph however many passes and layers ask
+(``Packing.of``). ``per_sample`` builds per-unit gradients from them, ``chunked_loss`` the LM
+head's, and ``clip`` reads the counts."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedModelError
+from ._context import PassContext
+from ._graph import GraphBuilder, module_of, val
+from .batch_dims import BatchDim, batch_dim
+
+aten = torch.ops.aten
+
+
+class Packing:
+    """The geometry of a packed batch (see the module docstring): the ``units`` input (B, T)
+    flattened to one unit slot per token (``unit``), sorted (``sorted_unit``, stable, with the
+    tokens' ``order``) and each slot's token count (``counts``). Each is made at its first use,
+    right after the placeholders, and made again if a pass's dead-code elimination removed it."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, call: GraphBuilder):
+        captured = ctx.captured
+        self.units = max(((p, key) for p, (kind, key) in zip(captured.placeholders, captured.inputs)
+                          if kind == "input"), key=lambda pk: pk[1])[0]
+        self.rows, self.T = (int(d) for d in val(self.units).shape)  # plain ints for the shapes built here
+        self.U = ctx.packed_units
+        self.graph, self.call = gm.graph, call
+        self._nodes: dict[str, fx.Node] = {}
+        self._made: set[fx.Node] = set()
+        self._derived: dict[tuple, fx.Node] = {}  # (what, node) -> its token rows or their sorted copy
+
+    def _node(self, name: str, build) -> fx.Node:
+        node = self._nodes.get(name)
+        if node is None or node._erased:
+            # After the placeholders and every node made here: a build reads nothing else, and other
+            # nodes may already sit among them (``_once`` puts a placeholder's reshape right after it).
+            ours = {n for n in self._made if not n._erased}
+            anchor = [n for n in self.graph.nodes if n.op == "placeholder" or n in ours][-1]
+            with self.graph.inserting_before(anchor.next):
+                node = self._nodes[name] = build()
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                if n.op != "placeholder" and n not in self._made:
+                    self._made.add(n)
+                    stack += n.all_input_nodes
+        return node
+
+    @property
+    def unit(self) -> fx.Node:
+        return self._node("unit", lambda: self.call(aten.view.default, self.units, [self.rows * self.T]))
+
+    def _sort(self) -> fx.Node:
+        unit = self.unit
+        return self._node("sort", lambda: self.call(aten.sort.stable, unit, stable=True))
+
+    @property
+    def sorted_unit(self) -> fx.Node:
+        sort = self._sort()
+        return self._node("sorted_unit", lambda: self.call(operator.getitem, sort, 0))
+
+    @property
+    def order(self) -> fx.Node:
+        sort = self._sort()
+        return self._node("order", lambda: self.call(operator.getitem, sort, 1))
+
+    @property
+    def counts(self) -> fx.Node:
+        unit = self.unit
+
+        def build():
+            zeros = self.call(aten.zeros.default, [self.U + 1], dtype=torch.int64, device=val(unit).device)
+            return self.call(aten.index_add.default, zeros, 0, unit, self.call(aten.ones_like.default, unit))
+
+        return self._node("counts", build)
+
+    @staticmethod
+    def of(gm: fx.GraphModule, ctx: PassContext, call: GraphBuilder) -> "Packing":
+        """The graph's ``Packing``, made by the first pass that asks."""
+        if "packing" not in gm.meta:
+            gm.meta["packing"] = Packing(gm, ctx, call)
+        return gm.meta["packing"]
+
+    def unsupported(self, param: str, node: fx.Node) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"parameter {param!r}: with packed documents its gradient comes through {node.name} "
+            f"({node.target}, from {module_of(node)}), which has no per-unit rule (linear layers, embeddings, "
+            "biases and norm weights have one). Way out: train on unpacked batches (compile without packed_units, "
+            "CLI --no-pack) or freeze the parameter.")
+
+    def tokens(self, param: str, node: fx.Node) -> tuple[fx.Node, int]:
+        """``node`` as (B*T, ...) token rows in ``units``' order, and how many of its leading
+        dims those rows were (1: already B*T rows; 2: (B, T, ...))."""
+        tag, shape = batch_dim(node), list(val(node).shape)
+        if isinstance(tag, BatchDim) and tag.dim == 0 and tag.outer == 1:
+            if tag.inner == self.T and shape[0] == self.rows * self.T:
+                return node, 1
+            if tag.inner == 1 and len(shape) >= 2 and shape[:2] == [self.rows, self.T]:
+                return self._once(("tokens", node), [node], lambda: self.call(
+                    aten.reshape.default, node, [self.rows * self.T, *shape[2:]])), 2
+        raise self.unsupported(param, node)
+
+    def sorted(self, tokens: fx.Node) -> fx.Node:
+        """Token rows grouped by unit slot, slot 0 first (one copy per tensor, however many layers
+        read it: q, k and v read their input through views of their own, and share one copy)."""
+        order = self.order
+        key = (self._view_base(tokens), tuple(val(tokens).shape))  # a view's values follow from its base and shape
+        return self._once(("sorted", key), [tokens, order],
+                          lambda: self.call(aten.index_select.default, tokens, 0, order))
+
+    @staticmethod
+    def _view_base(node: fx.Node) -> fx.Node:
+        """The tensor ``node`` reshapes, through any chain of views and reshapes (which read their
+        input in row-major order: two of the same base to the same shape hold the same values)."""
+        while node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            node = node.args[0]
+        return node
+
+    def _once(self, key, inputs: list[fx.Node], build) -> fx.Node:
+        """One node per ``key``, right after the last of its ``inputs`` (so every user sees it defined);
+        ``sink_rows`` moves it down to its first user once the pass has made every user."""
+        node = self._derived.get(key)
+        if node is None or node._erased:
+            position = {n: i for i, n in enumerate(self.graph.nodes)}
+            last = max(inputs, key=position.__getitem__)
+            if last.op == "placeholder":  # after every placeholder, not among them
+                last = list(self.graph.find_nodes(op="placeholder"))[-1]
+            with self.graph.inserting_after(last):
+                node = self._derived[key] = build()
+        return node
+
+    def sink_rows(self) -> None:
+        """Move every token-row copy (``tokens``, ``sorted``) to just before its first user.
+
+        ``_once`` makes a copy right after its input, which for a forward activation is in the
+        forward, while only the backward's per-unit gradients read it: there it would live from
+        the forward to the backward, a copy of every layer's activations at once, and activation
+        checkpointing would recompute its input in the forward to feed it.
+        """
+        position = {n: i for i, n in enumerate(self.graph.nodes)}
+        copies = sorted((n for n in self._derived.values() if not n._erased and n.users), key=position.__getitem__)
+        for node in reversed(copies):  # a copy read by another copy moves after that one has moved
+            first = node.next
+            while first not in node.users:
+                first = first.next
+            first.prepend(node)
+
+    def unit_sum(self, param: str, node: fx.Node, dims, out_shape) -> fx.Node:
+        """Per-unit ``sum(node, dims)`` where dims include the token dims: (U+1, *out_shape)."""
+        if node.meta.get("per_unit"):  # one row per unit slot already (chunked_loss's head gradient)
+            if [d % val(node).dim() for d in dims] != [0]:
+                raise self.unsupported(param, node)
+            return self.call(aten.view.default, node, [self.U + 1, *out_shape])
+        tokens, lead = self.tokens(param, node)
+        if not set(range(lead)) <= {d % val(node).dim() for d in dims}:
+            raise self.unsupported(param, node)
+        rest = [d % val(node).dim() - lead + 1 for d in dims if d % val(node).dim() >= lead]
+        if rest:
+            tokens = self.call(aten.sum.dim_IntList, tokens, rest)
+        zeros = self.call(aten.zeros.default, [self.U + 1, *val(tokens).shape[1:]], dtype=val(tokens).dtype,
+                          device=val(tokens).device)
+        out = self.call(aten.index_add.default, zeros, 0, self.unit, tokens)
+        return self.call(aten.view.default, out, [self.U + 1, *out_shape])
