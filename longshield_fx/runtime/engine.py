@@ -199,6 +199,7 @@ class Engine(CheckpointState):
         if not self.inductor:
             return lowered.gm
         if self._compiled.get(graph, (None,))[0] is not lowered:
+            lowered.gm.code  # reading it makes a lazily recompiled module real: dynamo skips the lazy forward
             self._compiled[graph] = (lowered, torch.compile(lowered.gm, fullgraph=True, dynamic=False))
         return self._compiled[graph][1]
 

@@ -44,6 +44,25 @@ def test_the_packed_step_through_inductor_equals_the_plain_graph():
     assert fused.captures == 1 and len(fused._compiled) == 1
 
 
+def test_an_unpacked_step_through_inductor_equals_the_plain_graph():
+    """A graph not yet run when it is compiled (its module still lazily recompiled) compiles too."""
+    torch.manual_seed(0)
+    lm = Llama(CFG)
+    config = lf.DPConfig(max_grad_norm=C, noise_multiplier=0.0, insecure_seed=0)
+    ids = torch.randint(0, CFG.vocab_size, (3, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([1.0, 1.0, 0.0])
+    out = []
+    for inductor in (False, True):
+        engine = lf.compile(lf.CausalLMLoss(lm), config=config, inductor=inductor)
+        loss = engine.accumulate(ids, ids, mask=mask)
+        out.append((loss, engine.last_norms.clone(), engine._accum))
+    (l0, n0, s0), (l1, n1, s1) = out
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(n1, n0, rtol=1e-5, atol=0)
+    for n in s0:
+        torch.testing.assert_close(s1[n], s0[n], rtol=1e-5, atol=1e-6)
+
+
 def test_inductor_with_a_mesh_is_refused_naming_the_way_out():
     with pytest.raises(ValueError, match="inductor=True runs on one process.*inductor=False"):
         lf.compile(lf.PackedCausalLMLoss(Llama(CFG)), object(), packed_units=U, inductor=True)
