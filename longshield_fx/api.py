@@ -58,8 +58,9 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
     process, no mesh): its elementwise work (masks, clip factors, norms' squares) fused, the
     custom ops (document attention, per-unit products, the LM head) called as they are. The
     results equal the plain graph's within float rounding; the first step pays the compile
-    (about 40 s for the ``tiny`` reference model on a 2-core CPU), later ones run 10-15% faster
-    there (``benchmarks/packed_slot_cost.py``). Off by default: a short run loses.
+    (about 40 s for the ``tiny`` reference model's packed graph on a 2-core CPU), later ones run
+    faster there: 7-12% packed, 14-23% unpacked (``tiny`` and ``small``,
+    ``benchmarks/packed_slot_cost.py --compiled``). Off by default: a short run loses.
 
     A model with parameters on the CPU sets glibc's malloc to reuse freed memory (once per
     process: ``longshield_fx._allocator``), which the step's large temporaries need to run
@@ -73,6 +74,18 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
         raise ValueError(f"compile: checkpoint must be None, 'block' or 'selective', got {checkpoint!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("compile: the model has no trainable parameters (all requires_grad=False)")
+    _check_packed_units(packed_units, config, mesh)
+    if inductor and mesh is not None:
+        raise ValueError("compile: inductor=True runs on one process (no mesh) for now: the graph's collectives "
+                         "have not been checked through inductor here; way out: inductor=False")
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        keep_freed_memory()
+    return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp,
+                  reshard_after_forward=reshard_after_forward, packed_units=packed_units, inductor=bool(inductor))
+
+
+def _check_packed_units(packed_units, config: DPConfig | None, mesh) -> None:
+    """``packed_units`` is 0 (not packed) or U > 0, and a packed run's dtype and mesh are ones it runs in."""
     if packed_units is True or packed_units != 0:  # 0 (or False): not packed
         if not (isinstance(packed_units, int) and not isinstance(packed_units, bool) and packed_units > 0):
             raise ValueError(f"compile: packed_units must be an int > 0 (unit slots per physical batch), "
@@ -87,10 +100,3 @@ def compile(model: nn.Module, mesh=None, *, config: DPConfig | None = None, chec
             raise ValueError("compile: packed documents (packed_units) run over 'dp' and 'cp' mesh dims (with or "
                              "without fsdp), not yet over an 'hp' dim (2D attention); way out: a mesh without 'hp', "
                              "or unpacked batches (CLI --no-pack)")
-    if inductor and mesh is not None:
-        raise ValueError("compile: inductor=True runs on one process (no mesh) for now: the graph's collectives "
-                         "have not been checked through inductor here; way out: inductor=False")
-    if any(p.device.type == "cpu" for p in model.parameters()):
-        keep_freed_memory()
-    return Engine(model, config, mesh, checkpoint, disable_passes, inner_ring=inner_ring, fsdp=fsdp,
-                  reshard_after_forward=reshard_after_forward, packed_units=packed_units, inductor=bool(inductor))
