@@ -98,9 +98,12 @@ def _sq_norms(x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tenso
     norm with C: an upper bound keeps every clipped contribution within C). A row whose fp32 sum
     overflows (an element above 1.8e19) is summed in float64 instead; an inf or nan stays one.
     float64 rows are summed in float64 (within 2.3e-16 per term there)."""
-    rows = x.reshape(x.shape[0], -1)
-    k, width = (rows.shape[0] if index is None else index.numel()), rows.shape[1]
+    k = x.shape[0] if index is None else index.numel()
     out = torch.zeros(k, dtype=torch.float64, device=x.device)
+    if k == 0 or x.shape[0] == 0:  # a batch that drew no unit: nothing to read (and no row length to infer)
+        return out
+    rows = x.reshape(x.shape[0], -1)
+    width = rows.shape[1]
     fast = x.dtype != torch.float64
     # fp32 blocks need no float64 copy: pieces only bound an index_select's copy or an upcast
     per, cols = (max(1, _CHUNK // max(1, width)), width) if fast else _pieces(k, width, x.device)
@@ -207,6 +210,8 @@ def segment_outer_clipped_sum(a: torch.Tensor, b: torch.Tensor, counts: torch.Te
     f = factor[slots].float()
 
     def add(products: torch.Tensor, take: torch.Tensor, scale: torch.Tensor) -> None:
+        if products.shape[0] == 0:
+            return
         rows = products.reshape(products.shape[0], -1)
         if not bool(take.all()):
             index = take.nonzero().flatten()

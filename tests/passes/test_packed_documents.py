@@ -477,3 +477,20 @@ def test_under_cp_each_unit_is_still_one_sample(distributed, world, kind):
                               for n in r["clipped_sum"]))
         assert 0 < moved <= C * (1 + 1e-6), moved
         assert r["isolation"] <= 1e-6 and r["victim_moved"] > 1e-3, (rank, r["isolation"], r["victim_moved"])
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+def test_a_batch_that_drew_no_unit_runs_and_adds_nothing(setup, ghost):
+    """A logical batch that drew no unit is one physical batch of padding, run like any other: every
+    per-unit op takes a batch without a unit (it crashed the per-unit products' norms once)."""
+    from longshield_fx.packing import empty_batch
+
+    lm, engine = setup
+    if not ghost:
+        engine = lf.compile(lf.PackedCausalLMLoss(lm), config=engine.config, packed_units=U,
+                            disable_passes=("ghost_norm",))
+    engine._accum = None
+    loss = engine.accumulate(*empty_batch(ROWS, T, U).tensors())
+    assert float(loss) == 0 and bool((engine.last_norms == 0).all())
+    assert all(bool((s == 0).all()) for s in engine._accum.values())
+    engine._accum = None
