@@ -24,6 +24,23 @@ def logical(size: int, expected_size: float = 1.0, sample_rate: float = 1.0) -> 
                         expected_size=expected_size)
 
 
+def per_sample_loop(model: nn.Module, samples: list[tuple]) -> dict:
+    """float64 gradients of each sample's summed loss, the sample run alone: trainable parameter
+    name -> (len(samples), *shape), zeros where the sample does not reach the parameter."""
+    import copy
+
+    model = copy.deepcopy(model).double()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out = {n: [] for n in params}
+    for sample in samples:
+        sample = tuple(t.double() if t.is_floating_point() else t for t in sample)
+        grads = torch.autograd.grad(model(*sample).sum(), list(params.values()), allow_unused=True)
+        for (n, p), g in zip(params.items(), grads):
+            out[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: torch.stack(v) if v else torch.zeros(0, *params[n].shape, dtype=torch.float64)
+            for n, v in out.items()}
+
+
 def vmap_per_sample_grads(model: nn.Module, batch) -> dict:
     """The oracle: torch.func per-sample gradients of each sample's loss."""
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}

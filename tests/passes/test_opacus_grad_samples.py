@@ -42,6 +42,8 @@ from hypothesis import HealthCheck, settings
 
 import longshield_fx as lf
 
+from oracles import per_sample_loop
+
 # Hypothesis draws per Opacus test method: 6 here, 100 in Opacus's own runs (and in the README's
 # table: ``OPACUS_GRID_EXAMPLES=100 pytest -s tests/passes/test_opacus_grad_samples.py``).
 EXAMPLES = int(os.environ.get("OPACUS_GRID_EXAMPLES", "6"))
@@ -223,17 +225,8 @@ def _as_batch_first(case: Case):
 
 def _oracle(model: nn.Module, samples: list[tuple], like: nn.Module) -> dict[str, torch.Tensor]:
     """float64 per-sample gradients: one backward per sample, each sample alone; named as in ``like``."""
-    model = copy.deepcopy(model).double()
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    out = {n: [] for n in params}
-    for sample in samples:
-        sample = tuple(t.double() if t.is_floating_point() else t for t in sample)
-        grads = torch.autograd.grad(model(*sample).sum(), list(params.values()), allow_unused=True)
-        for (n, p), g in zip(params.items(), grads):
-            out[n].append(torch.zeros_like(p) if g is None else g)
     names = [n for n, p in like.named_parameters() if p.requires_grad]
-    return {mine: torch.stack(out[n]) if out[n] else torch.zeros(0, *params[n].shape, dtype=torch.float64)
-            for mine, n in zip(names, params)}
+    return dict(zip(names, per_sample_loop(model, samples).values()))
 
 
 def _verdict(got: dict, ref: dict) -> str:

@@ -4,8 +4,6 @@ parameter's gradient over the batch, ``diag(param)``; and EmbeddingBag bags buil
 ``x[mask]``, refused by name. Each against a float64 per-sample loop (each sample alone)."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -14,23 +12,12 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import longshield_fx as lf
 
-
-def _loop_oracle(model: nn.Module, samples: list[tuple]) -> dict:
-    """float64 gradients of each sample's loss, the sample run alone."""
-    model = copy.deepcopy(model).double()
-    params = dict(model.named_parameters())
-    out = {n: [] for n in params}
-    for sample in samples:
-        sample = tuple(t.double() if t.is_floating_point() else t for t in sample)
-        grads = torch.autograd.grad(model(*sample).sum(), list(params.values()), allow_unused=True)
-        for (n, p), g in zip(params.items(), grads):
-            out[n].append(torch.zeros_like(p) if g is None else g)
-    return {n: torch.stack(v) for n, v in out.items()}
+from oracles import per_sample_loop
 
 
 def _assert_exact(model: nn.Module, batch: tuple, samples: list[tuple]):
     ours = lf.compile(model).per_sample_grads(*batch)
-    ref = _loop_oracle(model, samples)
+    ref = per_sample_loop(model, samples)
     assert set(ours) == set(ref)
     for name, r in ref.items():
         torch.testing.assert_close(ours[name].double(), r, atol=1e-5, rtol=1e-4, msg=name)
