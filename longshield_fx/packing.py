@@ -128,8 +128,9 @@ def packed_rows(rows_per_unit: int, units_per_batch: int, expected_units: float)
 
 def unit_slots_for(rows: int) -> int:
     """The CLI's unit slots for physical batches of ``rows`` rows: 4 per row. Fixed, not fitted to
-    the corpus (a slot count read off the private documents would be a statistic of them); the
-    per-unit work grows with the slots, so a corpus of long documents leaves most of them empty."""
+    the corpus (a slot count read off the private documents would be a statistic of them). The
+    step's per-unit work follows the units present, not the slots, so empty slots cost next to
+    nothing (``benchmarks/packed_slot_cost.py``)."""
     return 4 * rows
 
 

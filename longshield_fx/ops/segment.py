@@ -105,10 +105,10 @@ def _sq_norms(x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tenso
     rows = x.reshape(x.shape[0], -1)
     width = rows.shape[1]
     fast = x.dtype != torch.float64
-    # fp32 blocks need no float64 copy: pieces only bound an index_select's copy or an upcast
-    per, cols = (max(1, _CHUNK // max(1, width)), width) if fast else _pieces(k, width, x.device)
-    if fast and index is None and x.dtype == torch.float32:
-        per = k
+    if not fast:
+        per, cols = _pieces(k, width, x.device)
+    else:  # fp32 blocks need no float64 copy: pieces only bound an index_select's copy or an upcast
+        per, cols = (k if index is None and x.dtype == torch.float32 else max(1, _CHUNK // width)), width
     for i in range(0, k, per):
         for j in range(0, width, cols):
             part = rows[:, j:j + cols]
