@@ -40,7 +40,7 @@ def test_per_unit_norms_and_clipped_sum_equal_each_segment_alone(capacity):
     exact = _products(a, b, counts)
     sq, held = ops.segment_outer_norms(a, b, counts, capacity)
     assert held.shape == (capacity, P, D)
-    torch.testing.assert_close(sq, exact.pow(2).sum((1, 2)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(sq, exact.pow(2).sum((1, 2)), rtol=2e-5, atol=0)  # raised by its bound, 1.55e-5
     assert bool((sq[counts == 0] == 0).all())
     factor = torch.rand(len(counts), generator=torch.Generator().manual_seed(1))
     keep = counts > 0
@@ -69,9 +69,9 @@ def test_a_product_formed_again_with_another_norm_never_exceeds_the_norm_its_fac
         keep = torch.zeros(len(counts), dtype=torch.bool)
         keep[slot] = True
         total = segment.segment_outer_clipped_sum(a, b, counts, held, sq, torch.ones(len(counts)), keep)
-        if slot == 2:  # scaled back to the norm clip used (sq bounds it from above, within 2.2e-6)
+        if slot == 2:  # scaled back to the norm clip used (sq bounds it from above, within 1.6e-5)
             got = float(total.double().pow(2).sum())
-            assert got <= float(sq[slot]) and got == pytest.approx(float(sq[slot]), rel=5e-6)
+            assert got <= float(sq[slot]) and got == pytest.approx(float(sq[slot]), rel=2e-5)
         elif slot == 3:
             assert bool((total == 0).all())
         else:
@@ -160,9 +160,9 @@ def test_padding_rows_after_the_last_segment_are_never_read():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_squared_norms_bound_the_exact_ones_from_above_within_2e_6(dtype):
+def test_squared_norms_bound_the_exact_ones_from_above_within_1_6e_5(dtype):
     """``_sq_norms`` sums fp32 squares in blocks and raises the result by its rounding bound:
-    never below the exact (float64 of the values) squared norm, above it by at most 2.2e-6 of it;
+    never below the exact (float64 of the values) squared norm, above it by at most 1.6e-5 of it;
     with a width that is no multiple of the block, values near fp32's overflow and underflow, an
     inf and a nan."""
     g = torch.Generator().manual_seed(0)
@@ -174,7 +174,7 @@ def test_squared_norms_bound_the_exact_ones_from_above_within_2e_6(dtype):
     exact = x.double().square().sum(1)
     finite = torch.isfinite(exact)
     assert bool((got[finite] >= exact[finite]).all())
-    assert bool(((got[finite] - exact[finite]) <= 2.2e-6 * exact[finite] + 1000 * 2.0 ** -148).all())
+    assert bool(((got[finite] - exact[finite]) <= 1.6e-5 * exact[finite] + 1000 * 2.0 ** -148).all())
     assert torch.isinf(got[4]) and torch.isnan(got[5])
     index = torch.tensor([3, 0])
     assert torch.equal(segment._sq_norms(x, index), got[index])
