@@ -10,16 +10,16 @@ no logits are kept or recomputed between them.
 
 The head's per-sample gradient comes in one of three forms (the op's third output):
 
-- one row per sample (``units`` and ``order`` None): a (B, V, d) accumulator;
+- one row per sample (no ``units``, not ``rows``): a (B, V, d) accumulator;
 - packed documents, dense (``units``): a (``slots``, V, d) accumulator, one per unit slot, each
   chunk's rows summed per slot present in it;
-- packed documents, rows (``order``): the logits' gradient itself, (N, V) for the N = B·T
-  positions, its rows sorted by unit as ``order`` lists them. With the hidden rows sorted the
-  same way it is the two-operand form of a linear layer's per-unit gradient (``segment_outer``
-  of the two; ghost norm and book-keeping in ``clip``), and no (slots, V, d) tensor is made.
+- packed documents, rows (``rows``): the logits' gradient itself, (N, V) for the N = B·T
+  positions, row-major. With the hidden rows in the same order it is the two-operand form of a
+  linear layer's per-unit gradient (``segment_outer`` of the two, each unit's rows named by its
+  slot; ghost norm and book-keeping in ``clip``), and no (slots, V, d) tensor is made.
   Memory: N·V values in h's dtype instead of slots·V·d in fp32. That is the size of the
   whole batch's logits, which the chunking otherwise never holds at once, so ``chunked_loss``
-  asks for it only where it (with the sorted hidden rows) is smaller than the dense form.
+  asks for it only where it (with the hidden rows) is smaller than the dense form.
 
 The chunk's logits live in one buffer: the softmax and then its gradient are formed in place
 (``exp(z - max)``, its row sums, then ``g * (p - onehot(y))``), where ``log_softmax`` would
@@ -49,7 +49,7 @@ def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype,
     accumulator; plus that fp32 (B or ``slots``, V, d) accumulator when w is not fp32; per unit
     slot (dense), the chunk's rows sorted by unit (a copy of its gradient and hidden states).
     The rows form (``rows``) has no accumulator and no copies: the chunk's gradient goes
-    straight into the (N, V) output, and the inverse of ``order`` takes N int64s. On CUDA,
+    straight into the (N, V) output. On CUDA,
     low-precision factors reach the accumulator without fp32 copies (``_add_product``), so
     there the bound is loose by those copies."""
     B, T, d_h = h.shape
@@ -58,7 +58,7 @@ def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype,
     chunk_rows = B * min(chunk, T)
     cast = h.element_size() if h.dtype != work else 0
     if rows:
-        return chunk_rows * V * (work.itemsize + cast) + B * T * 8
+        return chunk_rows * V * (work.itemsize + cast)
     per_logit = work.itemsize + cast + (4 if h.dtype != torch.float32 else 0)
     sorted_copy = chunk_rows * (V + d_h) * 4 if slots else 0
     samples = slots or B
@@ -69,7 +69,7 @@ def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype,
 @torch.library.custom_op("longshield::lm_head_loss", mutates_args=())
 def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int, ignore_index: int,
                  logits_dtype: torch.dtype, weight_grad: bool, units: Tensor | None = None,
-                 slots: int = 0, order: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 slots: int = 0, rows: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Token losses, hidden-state gradient and per-sample head gradient of a causal-LM head.
 
     h: (B, T, d) hidden states; w: (V, d) head weight; labels: (B, T) int64 target of each
@@ -83,16 +83,15 @@ def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int,
     matmul per slot present in a chunk over its rows (the FLOPs of the per-row form, never
     ``slots`` times them).
 
-    Packed documents, rows: ``order`` (B·T,) int64, a permutation of the positions (flattened
-    row-major) that sorts them by unit; the third output is then the logits' gradient (B·T, V)
-    in h's dtype, its row i that of position ``order[i]`` (see the module docstring). Needs
+    Packed documents, rows (``rows``): the third output is the logits' gradient (B·T, V) in h's
+    dtype, its row i that of position i, row-major (see the module docstring). Needs
     ``weight_grad``.
     """
     B, T, d = h.shape
     V = w.shape[0]
     loss = torch.zeros(B, T, dtype=logits_dtype, device=h.device)
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format)
-    head = _HeadGrad(h, w, weight_grad, units, slots, order)
+    head = _HeadGrad(h, w, weight_grad, units, slots, rows)
     wt = w.t()
     work = torch.promote_types(logits_dtype, torch.float32)  # log_softmax accumulates in this
     for start in range(0, T, chunk):
@@ -126,16 +125,14 @@ class _HeadGrad:
     """The head's per-sample gradient in the form the op was asked for (module docstring)."""
 
     def __init__(self, h: Tensor, w: Tensor, weight_grad: bool, units: Tensor | None, slots: int,
-                 order: Tensor | None):
+                 rows: bool):
         B, T, d = h.shape
         V = w.shape[0]
         self.w_dtype, self.units = w.dtype, units
-        if order is not None:
+        if rows:
             if not weight_grad:
-                raise ValueError("lm_head_loss: order (the rows form) needs weight_grad")
+                raise ValueError("lm_head_loss: rows (the rows form) needs weight_grad")
             self.rows = h.new_empty(B * T, V)
-            # rank[p]: where position p's row goes; (B, T) so a chunk's positions are one slice.
-            self.rank = torch.empty_like(order).scatter_(0, order, torch.arange(B * T, device=h.device)).view(B, T)
             self.acc = None
         else:
             self.rows = None
@@ -145,7 +142,7 @@ class _HeadGrad:
     def add(self, dz: Tensor, hc: Tensor, start: int, stop: int) -> None:
         """Take one chunk's logits' gradient ``dz`` (B, c, V) and hidden states ``hc`` (B, c, d)."""
         if self.rows is not None:
-            self.rows.index_copy_(0, self.rank[:, start:stop].reshape(-1), dz.reshape(-1, dz.shape[-1]))
+            self.rows.view(dz.shape[0], -1, dz.shape[-1])[:, start:stop] = dz
         elif not self.acc.shape[1]:
             return  # a frozen head
         elif self.units is None:
@@ -187,9 +184,9 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 @lm_head_loss.register_fake
-def _(h, w, labels, grad, chunk, ignore_index, logits_dtype, weight_grad, units=None, slots=0, order=None):
+def _(h, w, labels, grad, chunk, ignore_index, logits_dtype, weight_grad, units=None, slots=0, rows=False):
     B, T, d = h.shape
-    if order is not None:
+    if rows:
         head = h.new_empty(B * T, w.shape[0])
     else:
         head = w.new_empty(slots if units is not None else B, w.shape[0] if weight_grad else 0, d)
@@ -199,8 +196,8 @@ def _(h, w, labels, grad, chunk, ignore_index, logits_dtype, weight_grad, units=
 @torch.library.custom_op("longshield::head_weight_grad", mutates_args=())
 def head_weight_grad(dz: Tensor, h: Tensor) -> Tensor:
     """The head's weight gradient ``dzᵀ h`` (V, d) from the logits' gradient rows dz (N, V) and
-    the hidden rows h (N, d), paired row by row (any common order: ``lm_head_loss``'s rows form
-    with h sorted the same way). A graph that keeps per-sample gradients replaces it by its
+    the hidden rows h (N, d), paired row by row (``lm_head_loss``'s rows form and h's rows, both
+    row-major over the positions). A graph that keeps per-sample gradients replaces it by its
     per-unit form (``chunked_loss``'s rule), so there it never runs."""
     return dz.t() @ h
 

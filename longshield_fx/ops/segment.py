@@ -1,22 +1,24 @@
-"""Ops over token rows sorted by unit: each unit (packed documents, ``compile(..., packed_units=U)``)
-is a contiguous segment of rows, ``counts`` (S,) int64 how many rows each of the S = U + 1 slots
-holds, in slot order from row 0 (sum at most N: rows after the last segment are never read, so
-``clip`` leaves out the padding slot, the last, by giving it no rows).
+"""Ops over the token rows of packed documents (``compile(..., packed_units=U)``), in the batch's
+own order: ``unit`` (N,) int64 names the unit slot of each of the N rows (the rows of one unit
+need not be adjacent: a unit is every run of rows that names it), and ``counts`` (S,) the S = U + 1
+slots' token counts; a slot with no count is never read (``clip`` gives the padding slot, the
+last, none). No op sorts or copies the rows: a unit's product is formed from its runs where they
+lie.
 
-Every op here works on the segments that hold rows, found from ``counts`` when it runs, and never
-on the S slots a fixed shape reserves: a physical batch's work follows its tokens and units, not
-U (``segment_outer``, which returns all S slots, is the one exception, for
+Every op here works on the units present, found from ``unit`` and ``counts`` when it runs, and
+never on the S slots a fixed shape reserves: a physical batch's work follows its tokens and units,
+not U (``segment_outer``, which returns all S slots, is the one exception, for
 ``engine.per_sample_grads``). The ops that ``clip`` runs:
 
 - a linear weight's per-unit gradients (``a_sᵀ b_s``): ``segment_outer_norms`` forms each unit's
-  product and takes its float64 squared norm as it is formed, keeping up to ``capacity`` of them;
+  product and takes its squared norm as it is formed, keeping up to ``capacity`` of them;
   ``segment_outer_clipped_sum`` sums the kept units' products scaled by their clip factors;
 - any other per-unit gradient held as (S, ...) rows (``unit_sq_norms``, ``unit_weighted_sum``);
 - ghost norm and book-keeping (``segment_sq_norm``, ``segment_book_keeping``), each in float64
   with the rounding bound ``clip`` counts.
 
-A segment's inf or nan reaches no other segment's result: no op mixes two segments' rows in one
-product, and a unit ``clip`` does not keep is never read by the sums.
+A unit's inf or nan reaches no other unit's result: no op mixes two units' rows in one product,
+and a unit ``clip`` does not keep is never read by the sums.
 """
 from __future__ import annotations
 
@@ -29,48 +31,87 @@ from .._torch import grouped_mm
 _CHUNK = 2 ** 22  # elements in one temporary (a float64 copy, a group of products): 32 MiB in float64
 _PIECE = 2 ** 16  # elements in one float64 copy for a norm on the CPU: 512 KiB, in cache
 
+Runs = list[tuple[int, int]]  # a unit's rows: (start, length) of each run, in row order
+
 
 def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype in (torch.float32, torch.bfloat16, torch.float16) and a.dtype == b.dtype
             and (a.shape[1] * a.element_size()) % 16 == 0 and (b.shape[1] * b.element_size()) % 16 == 0)
 
 
-_last_segments: list = [None, -1, None]  # (weakref to counts, its version, its segments)
+_last_units: list = [None, -1, None, -1, None]  # (weakrefs to unit and counts, their versions, their units)
 
 
-def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
-    """(slots, starts, lengths) of the segments that hold rows, in slot order (so in row order).
+def _units(unit: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[Runs]]:
+    """(slots, runs): the slots that hold rows here and have a count, in slot order, and each
+    one's runs of rows.
 
-    Every layer of a step reads the same ``counts`` tensor: its segments are found once. The
-    cache holds a weak reference, so a new tensor (even at a freed one's address) or a write
-    to this one (its version moves) is never served another's segments."""
-    ref, version, found = _last_segments
-    if ref is not None and ref() is counts and version == counts._version:
+    Every layer of a step reads the same ``unit`` and ``counts`` tensors: their units are found
+    once. The cache holds weak references, so a new tensor (even at a freed one's address) or a
+    write to one (its version moves) is never served another's units."""
+    ref_u, version_u, ref_c, version_c, found = _last_units
+    if (ref_u is not None and ref_u() is unit and version_u == unit._version and ref_c() is counts
+            and version_c == counts._version):
         return found
-    slots = counts.nonzero().flatten()
-    lengths = counts[slots]
-    starts = counts.cumsum(0)[slots] - lengths
-    found = slots, starts.tolist(), lengths.tolist()
-    _last_segments[:] = [weakref.ref(counts), counts._version, found]
+    runs_of: dict[int, Runs] = {}
+    if unit.numel():
+        starts = torch.cat([unit.new_zeros(1), (unit[1:] != unit[:-1]).nonzero().flatten() + 1])
+        ends = torch.cat([starts[1:], starts.new_full((1,), unit.numel())])
+        live = (counts > 0).tolist()
+        for slot, start, end in zip(unit[starts].tolist(), starts.tolist(), ends.tolist()):
+            if 0 <= slot < len(live) and live[slot]:
+                runs_of.setdefault(slot, []).append((start, end - start))
+    order = sorted(runs_of)
+    found = torch.tensor(order, dtype=torch.int64, device=unit.device), [runs_of[s] for s in order]
+    _last_units[:] = [weakref.ref(unit), unit._version, weakref.ref(counts), counts._version, found]
     return found
 
 
-def _products(a: torch.Tensor, b: torch.Tensor, starts: list[int], lengths: list[int], groups: int = 0):
-    """(max(groups, k), p, d): ``a_sᵀ b_s`` of k segments adjacent in the rows, in the dtype of
-    ``a``; ``groups`` > k adds zero products after them. One grouped matmul where the layout
-    allows it (each segment's product as the matmul of its rows alone), else one per segment."""
-    k, p, d = len(starts), a.shape[1], b.shape[1]
+def _size(runs: Runs) -> int:
+    return sum(n for _, n in runs)
+
+
+def _adjacent(units: list[Runs]) -> bool:
+    """Whether each unit is one run and each run starts where the one before ends (rows sorted
+    by unit): then the products are one grouped matmul over the rows as they lie."""
+    return all(len(r) == 1 for r in units) and all(
+        units[i][0][0] + units[i][0][1] == units[i + 1][0][0] for i in range(len(units) - 1))
+
+
+_LOOPING = ("cpu",)  # devices whose grouped matmul is a loop of matmuls (see ``_products``)
+
+
+def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int = 0) -> torch.Tensor:
+    """(max(groups, k), p, d): ``a_sᵀ b_s`` of k units, each the sum of its runs' products, in the
+    dtype of ``a``; the rows after the k products are unspecified (never read).
+
+    One grouped matmul where the units' rows are adjacent and the layout allows it (each unit's
+    product as the matmul of its rows alone). On a GPU other rows are first gathered into that
+    order. On the CPU a grouped matmul is a loop of matmuls anyway, in which an empty group costs
+    about what a Python loop adds per product (a zeroed output and a call: 5-6 µs at 192 x 64),
+    so scattered rows, other dtypes and a batch of fewer units than half of ``groups`` loop over
+    the products, written in place."""
+    k, p, d = len(units), a.shape[1], b.shape[1]
     if k == 0:
         return a.new_zeros(groups, p, d)
-    lo, hi = starts[0], starts[-1] + lengths[-1]
-    if _grouped_mm_fits(a, b):
-        ends = torch.tensor(lengths, device=a.device).cumsum(0)
+    loop = a.device.type in _LOOPING and (not _adjacent(units) or 2 * k < groups)
+    if _grouped_mm_fits(a, b) and not loop:
+        if not _adjacent(units):
+            index = torch.cat([torch.arange(s, s + n, device=a.device) for runs in units for s, n in runs])
+            a, b = a.index_select(0, index), b.index_select(0, index)
+            lo, hi = 0, index.numel()
+        else:
+            lo, hi = units[0][0][0], units[-1][0][0] + units[-1][0][1]
+        ends = torch.tensor([_size(r) for r in units], device=a.device).cumsum(0)
         if groups > k:
             ends = torch.cat([ends, ends[-1:].expand(groups - k)])
         return grouped_mm(a[lo:hi].t(), b[lo:hi], ends.to(torch.int32))
-    out = a.new_zeros(max(groups, k), p, d)
-    for i, (s, n) in enumerate(zip(starts, lengths)):
-        out[i] = a[s:s + n].t() @ b[s:s + n]
+    out = a.new_empty(max(groups, k), p, d)
+    for product, runs in zip(out, units):
+        (s, n), rest = runs[0], runs[1:]
+        torch.mm(a[s:s + n].t(), b[s:s + n], out=product)
+        for s, n in rest:
+            product.addmm_(a[s:s + n].t(), b[s:s + n])
     return out
 
 
@@ -144,71 +185,72 @@ def _block_sq_sums(part: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _runs(lengths: list[int], width: int) -> list[tuple[int, int]]:
-    """Consecutive ranges of segments whose products (``width`` elements each) fit ``_CHUNK``."""
+def _chunks(k: int, width: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of k units whose products (``width`` elements each) fit ``_CHUNK``."""
     per = max(1, _CHUNK // max(1, width))
-    return [(i, min(len(lengths), i + per)) for i in range(0, len(lengths), per)]
+    return [(i, min(k, i + per)) for i in range(0, k, per)]
 
 
 @torch.library.custom_op("longshield::segment_outer", mutates_args=())
-def segment_outer(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def segment_outer(a: torch.Tensor, b: torch.Tensor, unit: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """(S, p, d): ``out[s] = a[rows of s]ᵀ @ b[rows of s]``, zero for an empty slot (the per-unit
     gradients of ``engine.per_sample_grads``: the FLOPs of the layer's weight gradient, never U
     times them; the zeros of the S slots are written, so ``clip`` uses ``segment_outer_norms``)."""
-    slots, starts, lengths = _segments(counts)
+    slots, units = _units(unit, counts)
     out = a.new_zeros(counts.shape[0], a.shape[1], b.shape[1])
-    if lengths:
-        out[slots] = _products(a, b, starts, lengths)
+    if units:
+        out[slots] = _products(a, b, units)
     return out
 
 
 @segment_outer.register_fake
-def _(a, b, counts):
+def _(a, b, unit, counts):
     return a.new_empty(counts.shape[0], a.shape[1], b.shape[1])
 
 
 @torch.library.custom_op("longshield::segment_outer_norms", mutates_args=())
-def segment_outer_norms(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
+def segment_outer_norms(a: torch.Tensor, b: torch.Tensor, unit: torch.Tensor, counts: torch.Tensor,
                         capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sq, held): sq (S,) float64, ``‖a_sᵀ b_s‖²`` of each segment's product in ``a``'s dtype
+    """(sq, held): sq (S,) float64, ``‖a_sᵀ b_s‖²`` of each unit's product in ``a``'s dtype
     (0 for an empty slot), summed in float64; held (capacity, p, d): the products of the first
-    ``capacity`` segments that hold rows, in slot order (zeros after them), for
-    ``segment_outer_clipped_sum``. The products of further segments are formed for their norm
-    and let go (that sum forms them again). Each norm is taken as its product is formed."""
-    slots, starts, lengths = _segments(counts)
+    ``capacity`` units present, in slot order (after them: unspecified, never read), for
+    ``segment_outer_clipped_sum``. The products of further units are formed for their norm and
+    let go (that sum forms them again). Each norm is taken as its product is formed."""
+    slots, units = _units(unit, counts)
     p, d = a.shape[1], b.shape[1]
     sq = torch.zeros(counts.shape[0], dtype=torch.float64, device=a.device)
-    kept = min(capacity, len(lengths))
-    held = _products(a, b, starts[:kept], lengths[:kept], groups=capacity)
+    kept = min(capacity, len(units))
+    held = _products(a, b, units[:kept], groups=capacity)
     norms = [_sq_norms(held[:kept])]
-    for i, j in _runs(lengths[kept:], p * d):
-        norms.append(_sq_norms(_products(a, b, starts[kept + i:kept + j], lengths[kept + i:kept + j])))
-    if lengths:
+    for i, j in _chunks(len(units) - kept, p * d):
+        norms.append(_sq_norms(_products(a, b, units[kept + i:kept + j])))
+    if units:
         sq[slots] = torch.cat(norms)
     return sq, held
 
 
 @segment_outer_norms.register_fake
-def _(a, b, counts, capacity):
+def _(a, b, unit, counts, capacity):
     return a.new_empty(counts.shape[0], dtype=torch.float64), a.new_empty(capacity, a.shape[1], b.shape[1])
 
 
 @torch.library.custom_op("longshield::segment_outer_clipped_sum", mutates_args=())
-def segment_outer_clipped_sum(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, held: torch.Tensor,
-                              sq: torch.Tensor, factor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def segment_outer_clipped_sum(a: torch.Tensor, b: torch.Tensor, unit: torch.Tensor, counts: torch.Tensor,
+                              held: torch.Tensor, sq: torch.Tensor, factor: torch.Tensor,
+                              keep: torch.Tensor) -> torch.Tensor:
     """(p, d) fp32: Σ over the slots s with ``keep[s]`` of ``factor[s] · a_sᵀ b_s``, from ``held``
     and ``sq`` as ``segment_outer_norms`` made them; a slot not kept is never read. A kept slot is
     one that holds rows and whose norm is finite (``clip``), so every product summed is finite.
 
-    A product beyond ``held`` is formed again, by the same matmul on the same rows. Its norm must
+    A product beyond ``held`` is formed again, by the same matmuls on the same rows. Its norm must
     be the one its clip factor was computed from (a unit with cancelling tokens has a product of
     rounding noise, and another rounding of it could have a larger norm): it is taken again, and
     where it is not ``sq``'s, the product is scaled by √(sq / its squared norm) (by 0 if it is no
     longer finite), so its contribution never exceeds the clip factor times the norm ``clip`` used."""
-    slots, starts, lengths = _segments(counts)
+    slots, units = _units(unit, counts)
     p, d, capacity = a.shape[1], b.shape[1], held.shape[0]
     out = torch.zeros(p * d, dtype=torch.float32, device=a.device)
-    kept = min(capacity, len(lengths))
+    kept = min(capacity, len(units))
     chosen = keep[slots]
     f = factor[slots].float()
 
@@ -223,9 +265,9 @@ def segment_outer_clipped_sum(a: torch.Tensor, b: torch.Tensor, counts: torch.Te
             out.add_(torch.mv(rows.float().t(), scale))
 
     add(held[:kept], chosen[:kept], f[:kept])
-    for i, j in _runs(lengths[kept:], p * d):
+    for i, j in _chunks(len(units) - kept, p * d):
         i, j = kept + i, kept + j
-        products = _products(a, b, starts[i:j], lengths[i:j])
+        products = _products(a, b, units[i:j])
         again, used = _sq_norms(products), sq[slots[i:j]]
         ratio = torch.where(again == used, 1.0, torch.sqrt(used / again).clamp(max=1.0))
         finite = torch.isfinite(again) & torch.isfinite(ratio)
@@ -234,7 +276,7 @@ def segment_outer_clipped_sum(a: torch.Tensor, b: torch.Tensor, counts: torch.Te
 
 
 @segment_outer_clipped_sum.register_fake
-def _(a, b, counts, held, sq, factor, keep):
+def _(a, b, unit, counts, held, sq, factor, keep):
     return a.new_empty(a.shape[1], b.shape[1], dtype=torch.float32)
 
 
@@ -291,68 +333,78 @@ def _batches(lengths: list[int], cost, size, slack: float = 1.5) -> list[list[in
     return out + ([batch] if batch else [])
 
 
-def _padded_rows(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, n_max: int) -> torch.Tensor:
-    """(k, n_max, ·) float64: each segment's rows of ``x``, padded with zero rows (filled, not
-    multiplied: a zero times another row's inf would be nan). Padding adds exact zeros to every
-    sum the Grams and products make, so it moves neither their value nor their rounding."""
-    steps = torch.arange(n_max, device=x.device)
-    pad = steps >= lengths[:, None]
-    index = (starts[:, None] + steps).clamp(max=x.shape[0] - 1)
+def _padded_rows(x: torch.Tensor, units: list[Runs], n_max: int) -> torch.Tensor:
+    """(k, n_max, ·) float64: each unit's rows of ``x`` (its runs in row order), padded with zero
+    rows (filled, not multiplied: a zero times another row's inf would be nan). Padding adds exact
+    zeros to every sum the Grams and products make, so it moves neither their value nor their
+    rounding."""
+    runs = []  # (member, start, length, where the run goes within its unit: after its earlier runs)
+    for i, unit_runs in enumerate(units):
+        at = 0
+        for s, n in unit_runs:
+            runs.append((i, s, n, at))
+            at += n
+    member, start, length, first = (torch.tensor(column, device=x.device) for column in zip(*runs))
+    offset = torch.cat([torch.zeros_like(length[:1]), length.cumsum(0)[:-1]])
+    run = torch.repeat_interleave(torch.arange(len(runs), device=x.device), length)
+    step = torch.arange(run.numel(), device=x.device) - offset.index_select(0, run)
+    index = torch.zeros(len(units), n_max, dtype=torch.int64, device=x.device)
+    pad = torch.ones(len(units), n_max, dtype=torch.bool, device=x.device)
+    row, column = member.index_select(0, run), first.index_select(0, run) + step
+    index[row, column] = start.index_select(0, run) + step
+    pad[row, column] = False
     rows = x.index_select(0, index.flatten()).view(*index.shape, x.shape[1])
     return rows.masked_fill_(pad[:, :, None], 0).double()
 
 
 @torch.library.custom_op("longshield::segment_sq_norm", mutates_args=())
-def segment_sq_norm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """(S,) float64: ``‖a[rows of s]ᵀ @ b[rows of s]‖²`` (Frobenius) of each segment, in float64,
-    without forming the products of short segments. A segment of n ≤ W = p·d/(p+d) rows (its two
-    Grams cost no more than its product) by ghost norm, ⟨a_s a_sᵀ, b_s b_sᵀ⟩; a longer one from its
-    product. Only the segments that hold rows, in batches of similar length (one float64 ``bmm``
-    per batch, each padded with zero rows to its longest). Either way the float64 rounding is
-    within 2·γ_{n²+p·d+p+d+1}·A_s² of the exact value (A_s = Σ_t ‖a_t‖·‖b_t‖; ``clip`` adds that
-    bound: the Grams' inner product sums n² terms, the product's squares p·d; the padding's exact
-    zeros add no rounding). A non-finite segment is non-finite alone: each batch member's Grams and
-    product read its own rows and zeros only."""
-    slots, starts, lengths = _segments(counts)
+def segment_sq_norm(a: torch.Tensor, b: torch.Tensor, unit: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(S,) float64: ``‖a[rows of s]ᵀ @ b[rows of s]‖²`` (Frobenius) of each unit, in float64,
+    without forming the products of short units. A unit of n ≤ W = p·d/(p+d) rows (its two Grams
+    cost no more than its product) by ghost norm, ⟨a_s a_sᵀ, b_s b_sᵀ⟩; a longer one from its
+    product. Only the units present, in batches of similar length (one float64 ``bmm`` per batch,
+    each unit's rows gathered and padded with zero rows to the longest). Either way the float64
+    rounding is within 2·γ_{n²+p·d+p+d+1}·A_s² of the exact value (A_s = Σ_t ‖a_t‖·‖b_t‖;
+    ``clip`` adds that bound: the Grams' inner product sums n² terms, the product's squares p·d;
+    the padding's exact zeros add no rounding). A non-finite unit is non-finite alone: each batch
+    member's Grams and product read its own rows and zeros only."""
+    slots, units = _units(unit, counts)
     p, d = a.shape[1], b.shape[1]
     W = max(1, p * d // (p + d))
     out = torch.zeros(counts.shape[0], dtype=torch.float64, device=a.device)
-    if not lengths:
-        return out
-    start_t, length_t = torch.tensor(starts, device=a.device), torch.tensor(lengths, device=a.device)
+    lengths = [_size(r) for r in units]
     short = [i for i, n in enumerate(lengths) if n <= W]
     long = [i for i, n in enumerate(lengths) if n > W]
     work = ((short, True, lambda n: n * n, lambda k, n: k * n * (n + p + d)),
             (long, False, lambda n: n, lambda k, n: k * (n * (p + d) + p * d)))
     for members, gram, cost, size in work:
         for batch in _batches([lengths[i] for i in members], cost, size):
-            index = torch.tensor([members[i] for i in batch], device=a.device)
-            n_max = max(lengths[members[i]] for i in batch)
-            x = _padded_rows(a, start_t[index], length_t[index], n_max)
-            y = _padded_rows(b, start_t[index], length_t[index], n_max)
+            chosen = [members[i] for i in batch]
+            n_max = max(lengths[i] for i in chosen)
+            x = _padded_rows(a, [units[i] for i in chosen], n_max)
+            y = _padded_rows(b, [units[i] for i in chosen], n_max)
             if gram:
                 value = (torch.bmm(x, x.transpose(1, 2)) * torch.bmm(y, y.transpose(1, 2))).sum((1, 2))
             else:
                 value = torch.bmm(x.transpose(1, 2), y).square().sum((1, 2))
-            out[slots[index]] = value
+            out[slots[torch.tensor(chosen, device=a.device)]] = value
     return out
 
 
 @segment_sq_norm.register_fake
-def _(a, b, counts):
+def _(a, b, unit, counts):
     return a.new_empty(counts.shape[0], dtype=torch.float64)
 
 
 @torch.library.custom_op("longshield::segment_book_keeping", mutates_args=())
-def segment_book_keeping(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, factor: torch.Tensor,
-                         keep: torch.Tensor) -> torch.Tensor:
-    """(p, d) fp32: Σ_t f_{u(t)} a_t b_tᵀ over the rows of the slots kept (``keep``), accumulated in
-    float64 (``clip``'s book-keeping; its rounding bound is counted there), returned in fp32. The
-    rows of a slot not kept are never read; the kept rows go in chunks of at most ``_CHUNK``
-    float64 elements, in row order, whatever U is."""
+def segment_book_keeping(a: torch.Tensor, b: torch.Tensor, unit: torch.Tensor, counts: torch.Tensor,
+                         factor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(p, d) fp32: Σ_t f_{u(t)} a_t b_tᵀ over the rows of the slots kept (``keep``, with a count),
+    accumulated in float64 (``clip``'s book-keeping; its rounding bound is counted there),
+    returned in fp32. The rows of a slot not kept are never read; the kept rows go in chunks of
+    at most ``_CHUNK`` float64 elements, in row order, whatever U is."""
     p, d = a.shape[1], b.shape[1]
-    unit = torch.repeat_interleave(torch.arange(counts.shape[0], device=a.device), counts)
-    rows = keep.index_select(0, unit).nonzero().flatten()
+    rows = (keep & (counts > 0)).index_select(0, unit).nonzero().flatten()
     row_factor = factor.double().index_select(0, unit.index_select(0, rows))
     prefix = rows.numel() == 0 or int(rows[-1]) == rows.numel() - 1  # every row up to the last kept one: no gather
     total = torch.zeros(p, d, dtype=torch.float64, device=a.device)
@@ -369,5 +421,5 @@ def segment_book_keeping(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
 
 
 @segment_book_keeping.register_fake
-def _(a, b, counts, factor, keep):
+def _(a, b, unit, counts, factor, keep):
     return a.new_empty(a.shape[1], b.shape[1], dtype=torch.float32)

@@ -15,15 +15,15 @@ head's per-unit gradient takes one of two forms, by a cost rule (``_rows_form``)
 
 - dense: the op sums each chunk's rows per slot into a (U+1, V, d) accumulator (``per_unit``
   meta on it: ``per_sample`` takes its rows as they are);
-- rows: the op returns the logits' gradient dz (N, V), its rows sorted by unit as
-  ``Packing.order`` sorts the N = B·T positions, and the weight gradient becomes
-  ``longshield::head_weight_grad(dz, h sorted by unit)``, whose per-sample rule (below) is the
-  linear layers' packed form, ``segment_outer`` of two operands sorted by unit. ``ghost_norm``
+- rows: the op returns the logits' gradient dz (N, V), a row per position of the N = B·T
+  (row-major, as ``Packing.unit`` names their slots), and the weight gradient becomes
+  ``longshield::head_weight_grad(dz, h)``, whose per-sample rule (below) is the linear layers'
+  packed form, ``segment_outer`` of two token-row operands. ``ghost_norm``
   and ``clip`` then treat the head as any packed linear weight (ghost norm and book-keeping on
   the two operands, or the per-unit products): there is no (U+1, V, d) accumulator to fill,
   hold and pass over, whose cost grows with U whatever the units present.
 
-  The cost rule is memory: rows when dz and the sorted hidden rows hold fewer values than the
+  The cost rule is memory: rows when dz and the hidden rows hold fewer values than the
   dense form, N·(V+d) < (U+1)·V·d. dz is N·V values in the compute dtype, the size of the
   whole batch's logits that the chunking otherwise never holds at once, kept from the op to
   ``clip`` as the dense form would be; so the rows form never holds more values than the dense
@@ -46,7 +46,7 @@ inner=k)``). A loss that does not match the pattern (softcapped or scaled logits
 hand-written NLL, logits used elsewhere) is left as it is: only memory is at stake, never
 privacy. Guarantees: the same values as the unrewritten graph up to float rounding of the
 chunked matmuls (each position's terms are computed by the same formulas, in the same dtypes);
-every new node carries ``meta["val"]`` and its batch tag (None for the rows sorted by unit,
+every new node carries ``meta["val"]`` and its batch tag (None for the head's token rows,
 which are not in the batch's layout).
 """
 from __future__ import annotations
@@ -265,8 +265,8 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, m: _Match, chunk_rows: int) -
         grads = b(aten.index_put.default,
                   b(aten.zeros.default, [N], dtype=val(grad_output).dtype, device=val(grad_output).device),
                   [flat], b(aten.reshape.default, grad_output, [-1]))
-        # Packed documents: the head's per-unit gradient as rows sorted by unit, or summed per slot in the op.
-        per_unit = (None, 0, packing.order) if rows else \
+        # Packed documents: the head's per-unit gradient as the logits' gradient rows, or summed per slot in the op.
+        per_unit = (None, 0, True) if rows else \
             (b(aten.view.default, packing.units, [B, k]), ctx.packed_units + 1) if packing else ()
         op = b(torch.ops.longshield.lm_head_loss.default, b(aten.view.default, h2d, [B, k, d]), b(aten.t.default, wt),
                b(aten.view.default, labels, [B, k]), b(aten.view.default, grads, [B, k]),
@@ -287,9 +287,9 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, m: _Match, chunk_rows: int) -
     m.grad_h.replace_all_uses_with(grad_h2d)
     if rows:
         op.meta["batch_dim"] = (BatchDim(0), BatchDim(0), None)
-        grad_w.meta["batch_dim"] = None  # rows sorted by unit: not in the batch's layout
+        grad_w.meta["batch_dim"] = None  # token rows, read by unit slot: no per-sample layout of their own
         _replace_weight_grad(graph, build, m, lambda: build(torch.ops.longshield.head_weight_grad.default, grad_w,
-                                                            packing.sorted(h2d)))
+                                                            h2d))
     else:
         grad_w.meta["per_unit"] = bool(packing)  # rows are unit slots: per_sample takes them as they are
         _replace_weight_grad(graph, build, m, lambda: build(aten.sum.dim_IntList, grad_w, [0]))
@@ -309,7 +309,7 @@ def _replace_weight_grad(graph: fx.Graph, build: GraphBuilder, m: _Match, make) 
 
 
 def _rows_form(ctx: PassContext, m: _Match, packing: Packing, V: int, d: int) -> bool:
-    """Whether the packed head's per-unit gradient should come as rows sorted by unit (see the
+    """Whether the packed head's per-unit gradient should come as the logits' gradient rows (see the
     module docstring): N·(V+d) < (U+1)·V·d, on a head trained alone (not tied) at cp = 1, whose
     h rows are the packed batch's positions in ``units``' order."""
     if ctx.sp_size > 1 or len(m.grad_w) != 1 or not _reaches_output_alone(m.grad_w[0][0]):
@@ -336,13 +336,13 @@ def _reaches_output_alone(node: fx.Node) -> bool:
 @per_sample_rule(torch.ops.longshield.head_weight_grad.default, name="lm_head_loss")
 def _head_weight_per_unit(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
     """Per-unit rule of ``head_weight_grad(dz, h)`` (the rows form): its two operands are token
-    rows sorted by unit, so each unit's gradient is its segment's ``dzᵀ h``, one grouped matmul
+    rows, so each unit's gradient is ``dzᵀ h`` over its own rows, formed where they lie
     (``segment_outer``, as ``per_sample`` forms packed linear weights), which ``ghost_norm``
     recognises and may replace by the two operands."""
     if rw.packing is None:
         raise AssertionError("head_weight_grad is made for packed documents only")
     dz, h = node.args
-    per_unit = rw.call(torch.ops.longshield.segment_outer.default, dz, h, rw.packing.counts)
+    per_unit = rw.call(torch.ops.longshield.segment_outer.default, dz, h, rw.packing.unit, rw.packing.counts)
     return PerSampleGrad(tuple(val(node).shape), per_unit)
 
 

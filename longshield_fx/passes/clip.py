@@ -158,7 +158,7 @@ class _PackedClip:
 
     def __init__(self, b, rw: Rewriter, ctx: PassContext):
         self.b, self.rw, self.packing = b, rw, rw.packing
-        self.local = ctx.sp_size == 1  # the sorted token rows hold every token of a unit
+        self.local = ctx.sp_size == 1  # the token rows hold every token of a unit
         counts = self.packing.counts
         if not self.local:
             counts = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, b(aten.clone.default, counts), "sum",
@@ -176,11 +176,12 @@ class _PackedClip:
         if g.only_outer:
             return self._ghost_sq_norm(*g.outer)
         operands = outer_operands(g) if self.local else None
-        if operands is not None and val(operands[0]).dim() == 2:  # token rows sorted by unit (segment_outer)
+        if operands is not None and val(operands[0]).dim() == 2:  # token rows read by unit (segment_outer)
             left, right = operands
             N, m, n = val(left).shape[0], val(left).shape[1], val(right).shape[1]
             capacity = products_held(N, self.packing.rows, self.packing.U, m, n)
-            out = b(torch.ops.longshield.segment_outer_norms.default, left, right, self.counts, capacity)
+            out = b(torch.ops.longshield.segment_outer_norms.default, left, right, self.packing.unit, self.counts,
+                    capacity)
             sq, held = b(getitem, out, 0), b(getitem, out, 1)
             self.held[name] = (left, right, held, sq)
             return sq, None
@@ -193,11 +194,12 @@ class _PackedClip:
         """Σ_u factor_u g_u over the kept units, in fp32 (``factor`` is 0 where not ``keep``)."""
         b = self.b
         if g.only_outer:
-            return b(torch.ops.longshield.segment_book_keeping.default, *g.outer, self.counts, factor, keep)
+            return b(torch.ops.longshield.segment_book_keeping.default, *g.outer, self.packing.unit, self.counts,
+                     factor, keep)
         if name in self.held:
             left, right, held, sq = self.held[name]
-            return b(torch.ops.longshield.segment_outer_clipped_sum.default, left, right, self.counts, held, sq,
-                     _fp32(b, factor), keep)
+            return b(torch.ops.longshield.segment_outer_clipped_sum.default, left, right, self.packing.unit,
+                     self.counts, held, sq, _fp32(b, factor), keep)
         if name in self.dense:
             return b(torch.ops.longshield.unit_weighted_sum.default, self.dense[name], _fp32(b, factor), keep)
         return _weighted_sum(self.rw, b, g, _fp32(b, factor), keep)
@@ -217,20 +219,20 @@ class _PackedClip:
         return b(aten.div.Tensor, b(aten.mul.Tensor, size, per_token), n_u)
 
     def _ghost_sq_norm(self, left: fx.Node, right: fx.Node) -> tuple[fx.Node, fx.Node]:
-        """``_ghost_sq_norm`` for packed documents: L and R are the N token rows sorted by unit, and
-        each unit's squared norm comes from its own rows (``longshield::segment_sq_norm``), raised by
+        """``_ghost_sq_norm`` for packed documents: L and R are the N token rows, and each unit's
+        squared norm comes from its own rows (``longshield::segment_sq_norm``), raised by
         its float64 rounding bound 2·γ_{n_u²+m·n+m+n+1}·A_u² (n_u: the unit's tokens; the op sums
         n_u² Gram terms for a short unit, m·n squares of its product for a long one); A_u sums the
         unit's ‖l_t‖·‖r_t‖ in float64, each operand's row norms formed once."""
         b = self.b
         m, n = val(left).shape[1], val(right).shape[1]
-        sq = b(torch.ops.longshield.segment_sq_norm.default, left, right, self.counts)
+        sq = b(torch.ops.longshield.segment_sq_norm.default, left, right, self.packing.unit, self.counts)
         for x in (left, right):
             if x not in self.row_norms:
                 self.row_norms[x] = b(aten.linalg_vector_norm.default, x, 2, [1], False, dtype=torch.float64)
         token_products = b(aten.mul.Tensor, self.row_norms[left], self.row_norms[right])
         size = b(aten.index_add.default, b(aten.zeros.default, [self.packing.U + 1], dtype=torch.float64,
-                                           device=val(left).device), 0, self.packing.sorted_unit, token_products)
+                                           device=val(left).device), 0, self.packing.unit, token_products)
         n_u = b(aten._to_copy.default, self.counts, dtype=torch.float64)
         ku = b(aten.mul.Tensor, b(aten.add.Scalar, b(aten.mul.Tensor, n_u, n_u), m * n + m + n + 1), 2.0 ** -53)
         gamma = b(aten.div.Tensor, ku, b(aten.rsub.Scalar, ku, 1.0))

@@ -31,9 +31,9 @@ also where ghost loses on its own terms: at T = 4096 it needs m·n ≥ 8192·(m+
 Llama 3 layer has (the 8B model's MLP, 14336×4096, pays up to T = 1592).
 
 Packed documents (``ctx.packed_units`` = U): a linear weight's per-unit gradients are products
-over the token rows sorted by unit (``longshield::segment_outer`` of two operands); ``clip``
+over the token rows, each unit's own (``longshield::segment_outer`` of two operands); ``clip``
 forms them only for the units present and takes each norm as it is formed (the per-unit
-method, ``per-sample`` in ``inspect``). The ``outer`` form keeps the sorted token rows instead,
+method, ``per-sample`` in ``inspect``). The ``outer`` form keeps the two token-row operands instead,
 and ``clip`` takes each unit's norm from its own rows (``longshield::segment_sq_norm``: Grams
 for a short unit, the unit's product for a long one) and the clipped sum by book-keeping over
 the kept units' tokens. Both cost what the tokens and units present cost, never what the U + 1
@@ -156,7 +156,7 @@ def outer_operands(g: PerSampleGrad) -> tuple[fx.Node, fx.Node] | None:
             node = node.args[0]
         else:
             break
-    if node.target == torch.ops.longshield.segment_outer.default:  # packed: sorted token rows
+    if node.target == torch.ops.longshield.segment_outer.default:  # packed: token rows
         L, R = node.args[:2]
         return (R, L) if swap else (L, R)
     if node.target != aten.einsum.default or len(node.args[1]) != 2:

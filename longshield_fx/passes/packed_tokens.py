@@ -1,8 +1,9 @@
 """The token geometry of a packed batch for the passes (``compile(..., packed_units=U)``):
-each token's unit slot, the tokens sorted by unit, each slot's token count, and token-row copies
-of the graph's tensors, made once per graph however many passes and layers ask
-(``Packing.of``). ``per_sample`` builds per-unit gradients from them, ``chunked_loss`` the LM
-head's, and ``clip`` reads the counts."""
+each token's unit slot, each slot's token count, and token-row views of the graph's tensors,
+made once per graph however many passes and layers ask (``Packing.of``). ``per_sample`` builds
+per-unit gradients from them (the ``longshield::segment_*`` ops read the rows as they lie, by
+each row's slot: nothing is sorted or copied), ``chunked_loss`` the LM head's, and ``clip``
+reads the counts."""
 from __future__ import annotations
 
 import operator
@@ -20,9 +21,9 @@ aten = torch.ops.aten
 
 class Packing:
     """The geometry of a packed batch (see the module docstring): the ``units`` input (B, T)
-    flattened to one unit slot per token (``unit``), sorted (``sorted_unit``, stable, with the
-    tokens' ``order``) and each slot's token count (``counts``). Each is made at its first use,
-    right after the placeholders, and made again if a pass's dead-code elimination removed it."""
+    flattened to one unit slot per token (``unit``) and each slot's token count (``counts``).
+    Each is made at its first use, right after the placeholders, and made again if a pass's
+    dead-code elimination removed it."""
 
     def __init__(self, gm: fx.GraphModule, ctx: PassContext, call: GraphBuilder):
         captured = ctx.captured
@@ -33,7 +34,7 @@ class Packing:
         self.graph, self.call = gm.graph, call
         self._nodes: dict[str, fx.Node] = {}
         self._made: set[fx.Node] = set()
-        self._derived: dict[tuple, fx.Node] = {}  # (what, node) -> its token rows or their sorted copy
+        self._derived: dict[tuple, fx.Node] = {}  # ("tokens", node) -> its token rows
 
     def _node(self, name: str, build) -> fx.Node:
         node = self._nodes.get(name)
@@ -55,20 +56,6 @@ class Packing:
     @property
     def unit(self) -> fx.Node:
         return self._node("unit", lambda: self.call(aten.view.default, self.units, [self.rows * self.T]))
-
-    def _sort(self) -> fx.Node:
-        unit = self.unit
-        return self._node("sort", lambda: self.call(aten.sort.stable, unit, stable=True))
-
-    @property
-    def sorted_unit(self) -> fx.Node:
-        sort = self._sort()
-        return self._node("sorted_unit", lambda: self.call(operator.getitem, sort, 0))
-
-    @property
-    def order(self) -> fx.Node:
-        sort = self._sort()
-        return self._node("order", lambda: self.call(operator.getitem, sort, 1))
 
     @property
     def counts(self) -> fx.Node:
@@ -106,22 +93,6 @@ class Packing:
                     aten.reshape.default, node, [self.rows * self.T, *shape[2:]])), 2
         raise self.unsupported(param, node)
 
-    def sorted(self, tokens: fx.Node) -> fx.Node:
-        """Token rows grouped by unit slot, slot 0 first (one copy per tensor, however many layers
-        read it: q, k and v read their input through views of their own, and share one copy)."""
-        order = self.order
-        key = (self._view_base(tokens), tuple(val(tokens).shape))  # a view's values follow from its base and shape
-        return self._once(("sorted", key), [tokens, order],
-                          lambda: self.call(aten.index_select.default, tokens, 0, order))
-
-    @staticmethod
-    def _view_base(node: fx.Node) -> fx.Node:
-        """The tensor ``node`` reshapes, through any chain of views and reshapes (which read their
-        input in row-major order: two of the same base to the same shape hold the same values)."""
-        while node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-            node = node.args[0]
-        return node
-
     def _once(self, key, inputs: list[fx.Node], build) -> fx.Node:
         """One node per ``key``, right after the last of its ``inputs`` (so every user sees it defined);
         ``sink_rows`` moves it down to its first user once the pass has made every user."""
@@ -136,11 +107,11 @@ class Packing:
         return node
 
     def sink_rows(self) -> None:
-        """Move every token-row copy (``tokens``, ``sorted``) to just before its first user.
+        """Move every token-row reshape (``tokens``) to just before its first user.
 
-        ``_once`` makes a copy right after its input, which for a forward activation is in the
-        forward, while only the backward's per-unit gradients read it: there it would live from
-        the forward to the backward, a copy of every layer's activations at once, and activation
+        ``_once`` makes one right after its input, which for a forward activation is in the
+        forward, while only the backward's per-unit gradients read it: there a reshape that must
+        copy (a non-contiguous input) would live from the forward to the backward, and activation
         checkpointing would recompute its input in the forward to feed it.
         """
         position = {n: i for i, n in enumerate(self.graph.nodes)}

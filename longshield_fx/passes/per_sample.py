@@ -24,8 +24,8 @@ The rules are in ``per_sample_rules``; this module has the machinery and the pas
 Packed documents (``ctx.packed_units`` = U): rows hold several documents and a document may
 span rows, so the samples are the U unit slots named per token by the last input, ``units``
 (B, T), and slot U takes the padding tokens. A per-sample reduction over the batch becomes a
-sum over each unit's tokens (``packed_tokens.Packing``): linear weights as one grouped matmul over the tokens
-sorted by unit (``longshield::segment_outer``), sums (biases, norm weights) as an index_add by
+sum over each unit's tokens (``packed_tokens.Packing``): linear weights as each unit's product over
+its own token rows (``longshield::segment_outer``), sums (biases, norm weights) as an index_add by
 unit, embeddings as sparse rows with an owner per row, ``(ids, values, owner)``. The per-sample
 gradients then have U + 1 rows; the last, the padding slot, is never counted (``clip``).
 
@@ -68,7 +68,8 @@ class PerSampleGrad:
     ``dense`` is (B, *shape) or None; ``indices`` is (B, n) int64 and ``values``
     (B, n, *shape[1:]); ``L`` is (B, T, shape[0]) and ``R`` (B, T, shape[1]) (the
     ``ghost_norm`` pass makes this form; ``clip`` never densifies it); packed, ``L`` (N, shape[0])
-    and ``R`` (N, shape[1]) are the N token rows sorted by unit (``Packing.sorted``).
+    and ``R`` (N, shape[1]) are the N token rows in the batch's order (``Packing.unit`` names
+    each one's slot).
     """
 
     shape: tuple
@@ -221,8 +222,9 @@ class Rewriter:
     def densify(self, g: PerSampleGrad) -> fx.Node:
         """(B, *shape) dense form; index_add of sparse rows into a flat (B*V, ·) buffer."""
         if g.outer:
-            if self.packing:  # token rows sorted by unit
-                outer = self.call(torch.ops.longshield.segment_outer.default, *g.outer, self.packing.counts)
+            if self.packing:  # token rows, each unit's by its slot
+                outer = self.call(torch.ops.longshield.segment_outer.default, *g.outer, self.packing.unit,
+                                  self.packing.counts)
             else:
                 outer = self.call(aten.einsum.default, "btm,btn->bmn", list(g.outer))
             if g.dense is None and not g.rows:
@@ -263,7 +265,7 @@ def _batch_derived(graph: fx.Graph) -> set[fx.Node]:
 # ---------------------------------------------------------------------------------------
 _RULES: dict = {}
 # The rules that reduce a batch-tagged tensor and know packed documents (``Packing``).
-_PACKED_RULES = {"linear", "sum", "layer_norm", "embedding"}
+_PACKED_RULES = {"linear", "sum", "layer_norm", "embedding", "lm_head_loss"}
 
 
 def per_sample_rule(*ops, name: str | None = None):

@@ -49,14 +49,13 @@ def _contraction(labels_a: str, labels_b: str, labels_out: str):
 
 
 def _packed_linear(rw: Rewriter, node: fx.Node) -> PerSampleGrad:
-    """``mm(a, b)`` contracting the B*T token rows, per unit slot: both operands as token rows
-    sorted by unit, then one grouped matmul (``longshield::segment_outer``)."""
+    """``mm(a, b)`` contracting the B*T token rows, per unit slot: both operands as token rows in
+    the batch's order, each unit's product over its own rows (``longshield::segment_outer``)."""
     a, b = node.args
     left = _token_rows(rw, node, a, contracted_dim=1)
     right = _token_rows(rw, node, b, contracted_dim=0)
     packing = rw.packing
-    out = rw.call(torch.ops.longshield.segment_outer.default, packing.sorted(left), packing.sorted(right),
-                  packing.counts)
+    out = rw.call(torch.ops.longshield.segment_outer.default, left, right, packing.unit, packing.counts)
     return _dense(rw, node, out)
 
 

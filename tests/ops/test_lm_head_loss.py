@@ -1,5 +1,5 @@
 """longshield::lm_head_loss's packed forms against each other: the rows form (the logits'
-gradient sorted by unit) gives the same losses, hidden-state gradient and per-unit head
+gradient, a row per position) gives the same losses, hidden-state gradient and per-unit head
 gradients as the per-slot sums, and head_weight_grad the summed weight gradient."""
 import pytest
 import torch
@@ -24,39 +24,36 @@ def _inputs(dtype=torch.float32):
 
 
 @pytest.mark.parametrize("chunk", [3, 10])
-def test_rows_sorted_by_unit_equal_the_per_slot_sums(chunk):
+def test_rows_equal_the_per_slot_sums(chunk):
     h, w, labels, grad, units = _inputs()
     loss, grad_h, per_slot = lm_head_loss(h, w, labels, grad, chunk, -100, torch.float32, True, units, U + 1)
-    order = units.reshape(-1).argsort(stable=True)
-    loss_r, grad_h_r, rows = lm_head_loss(h, w, labels, grad, chunk, -100, torch.float32, True, None, 0, order)
+    loss_r, grad_h_r, rows = lm_head_loss(h, w, labels, grad, chunk, -100, torch.float32, True, None, 0, True)
     assert torch.equal(loss_r, loss) and torch.equal(grad_h_r, grad_h)  # the same chunks, the same formulas
     assert rows.shape == (B * T, V) and rows.dtype == h.dtype
-    h_sorted = h.reshape(-1, d)[order]
-    counts = torch.bincount(units.reshape(-1), minlength=U + 1)
-    torch.testing.assert_close(segment_outer(rows, h_sorted, counts), per_slot, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(head_weight_grad(rows, h_sorted), per_slot.sum(0), rtol=1e-5, atol=1e-5)
+    unit = units.reshape(-1)
+    counts = torch.bincount(unit, minlength=U + 1)
+    torch.testing.assert_close(segment_outer(rows, h.reshape(-1, d), unit, counts), per_slot, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head_weight_grad(rows, h.reshape(-1, d)), per_slot.sum(0), rtol=1e-5, atol=1e-5)
     # Each row is its position's logits' gradient: a position without a loss has a zero row.
-    position = order.tolist().index(1 * T + 2)
-    assert float(rows[position].abs().max()) == 0
+    assert float(rows[1 * T + 2].abs().max()) == 0
 
 
 def test_bfloat16_rows_are_the_gradient_the_matmuls_read():
     """In bf16 the rows are the logits' gradient cast to h's dtype (as the per-slot form casts it
     before its matmuls), so both forms hold the same products, summed in another order."""
     h, w, labels, grad, units = _inputs(torch.bfloat16)
-    order = units.reshape(-1).argsort(stable=True)
     _, _, per_slot = lm_head_loss(h, w, labels, grad, 4, -100, torch.float32, True, units, U + 1)
-    _, _, rows = lm_head_loss(h, w, labels, grad, 4, -100, torch.float32, True, None, 0, order)
+    _, _, rows = lm_head_loss(h, w, labels, grad, 4, -100, torch.float32, True, None, 0, True)
     assert rows.dtype == torch.bfloat16
-    counts = torch.bincount(units.reshape(-1), minlength=U + 1)
-    ours = segment_outer(rows.float(), h.reshape(-1, d)[order].float(), counts)
+    unit = units.reshape(-1)
+    counts = torch.bincount(unit, minlength=U + 1)
+    ours = segment_outer(rows.float(), h.reshape(-1, d).float(), unit, counts)
     torch.testing.assert_close(ours, per_slot.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_fake_shapes_match():
     h, w, labels, grad, units = _inputs()
-    order = units.reshape(-1).argsort(stable=True)
-    torch.library.opcheck(lm_head_loss, (h, w, labels, grad, 4, -100, torch.float32, True, None, 0, order))
+    torch.library.opcheck(lm_head_loss, (h, w, labels, grad, 4, -100, torch.float32, True, None, 0, True))
     torch.library.opcheck(lm_head_loss, (h, w, labels, grad, 4, -100, torch.float32, True, units, U + 1))
     torch.library.opcheck(head_weight_grad, (torch.randn(B * T, V), h.reshape(-1, d)))
 
@@ -64,4 +61,4 @@ def test_fake_shapes_match():
 def test_the_rows_form_needs_the_weight_gradient():
     h, w, labels, grad, units = _inputs()
     with pytest.raises(ValueError, match="needs weight_grad"):
-        lm_head_loss(h, w, labels, grad, 4, -100, torch.float32, False, None, 0, torch.arange(B * T))
+        lm_head_loss(h, w, labels, grad, 4, -100, torch.float32, False, None, 0, True)

@@ -1,6 +1,7 @@
 """The segment ops (longshield_fx/ops/segment.py) that ``clip`` runs on packed documents, against
-each segment's product formed alone: values, slots that are never read, and work and values
-that do not depend on how many empty slots the counts reserve."""
+each unit's product formed alone: values, slots that are never read, and work and values that
+depend neither on how many empty slots the counts reserve nor on where a unit's rows lie (one
+run, sorted by slot, or several runs scattered among other units' and padding)."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ from longshield_fx.ops import segment
 
 N, P, D = 120, 16, 24
 LENGTHS = [5, 0, 40, 3, 0, 30, 12, 0, 10, 20]  # slot 1, 4 and 7 empty; 120 rows
+LAYOUTS = ["sorted", "scattered"]
 ops = torch.ops.longshield
 
 
@@ -18,82 +20,108 @@ def _rows(seed: int = 0, p: int = P, d: int = D):
     return torch.randn(N, p, generator=g), torch.randn(N, d, generator=g)
 
 
-def _counts(lengths=LENGTHS, slots: int | None = None) -> torch.Tensor:
-    """``lengths`` then empty slots up to ``slots``."""
-    return torch.tensor(lengths + [0] * ((slots or len(lengths)) - len(lengths)))
+def _layout(layout: str = "sorted", lengths=LENGTHS, slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit, counts): each row's slot and the slots' counts, ``lengths`` then empty slots up to
+    ``slots``. Sorted: slot 0's rows first, then slot 1's...; scattered: the same rows cut into
+    blocks of 8 and shuffled, so most units are several runs among other units' rows."""
+    counts = torch.tensor(lengths + [0] * ((slots or len(lengths)) - len(lengths)))
+    unit = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    unit = torch.cat([unit, torch.full((N - unit.numel(),), len(lengths) - 1)])  # rows after: a slot with no count
+    if layout == "scattered":
+        unit = unit.view(-1, 8)[torch.randperm(N // 8, generator=torch.Generator().manual_seed(3))].flatten()
+    return unit, counts
 
 
-def _products(a, b, counts) -> torch.Tensor:
-    """Each segment's a_sᵀ b_s, one matmul per segment, in float64."""
-    out, start = torch.zeros(len(counts), a.shape[1], b.shape[1], dtype=torch.float64), 0
-    for s, n in enumerate(counts.tolist()):
-        out[s] = a[start:start + n].double().t() @ b[start:start + n].double()
-        start += n
+def _products(a, b, unit, counts) -> torch.Tensor:
+    """Each slot's a_sᵀ b_s over its rows wherever they lie, in float64 (zero for an empty slot)."""
+    out = torch.zeros(len(counts), a.shape[1], b.shape[1], dtype=torch.float64)
+    for s in range(len(counts)):
+        if counts[s] > 0:
+            rows = unit == s
+            out[s] = a[rows].double().t() @ b[rows].double()
     return out
 
 
-@pytest.mark.parametrize("capacity", [1, 3, 7, 12])
-def test_per_unit_norms_and_clipped_sum_equal_each_segment_alone(capacity):
-    """Products held (capacity ≥ the 7 segments) or formed again (fewer): the same norms and sum."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("capacity", [1, 3, 7, 12, 20])
+def test_per_unit_norms_and_clipped_sum_equal_each_unit_alone(capacity, layout):
+    """Products held (capacity ≥ the 7 units; over twice them, written one by one on the CPU) or
+    formed again (fewer): the same norms and sum, whether a unit's rows are one run or several."""
     a, b = _rows()
-    counts = _counts()
-    exact = _products(a, b, counts)
-    sq, held = ops.segment_outer_norms(a, b, counts, capacity)
+    unit, counts = _layout(layout)
+    exact = _products(a, b, unit, counts)
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, capacity)
     assert held.shape == (capacity, P, D)
     torch.testing.assert_close(sq, exact.pow(2).sum((1, 2)), rtol=2e-5, atol=0)  # raised by its bound, 1.55e-5
     assert bool((sq[counts == 0] == 0).all())
     factor = torch.rand(len(counts), generator=torch.Generator().manual_seed(1))
     keep = counts > 0
     keep[5] = False
-    total = ops.segment_outer_clipped_sum(a, b, counts, held, sq, factor, keep)
+    total = ops.segment_outer_clipped_sum(a, b, unit, counts, held, sq, factor, keep)
     expected = (exact * torch.where(keep, factor, 0).double()[:, None, None]).sum(0)
     torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.segment_outer(a, b, unit, counts).double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_products_gathered_for_one_grouped_matmul_equal_the_loop(layout, monkeypatch):
+    """Where a grouped matmul is one kernel (a GPU), scattered rows are gathered into slot order
+    for it; the CPU's grouped matmul, made to run that way, gives the loop's products."""
+    a, b = _rows()
+    unit, counts = _layout(layout)
+    looped = ops.segment_outer_norms(a, b, unit, counts, 20)
+    monkeypatch.setattr(segment, "_LOOPING", ())
+    grouped = ops.segment_outer_norms(a, b, unit, counts, 20)
+    torch.testing.assert_close(grouped[0], looped[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(grouped[1][:7], looped[1][:7], rtol=1e-6, atol=1e-6)
 
 
 def test_a_product_formed_again_with_another_norm_never_exceeds_the_norm_its_factor_used(monkeypatch):
     """A product beyond the held ones is formed again; were its rounding not the same (another
     kernel), its contribution is scaled to the norm clip used, and dropped if no longer finite."""
     a, b = _rows()
-    counts = _counts()
-    sq, held = ops.segment_outer_norms(a, b, counts, 1)
+    unit, counts = _layout()
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, 1)
     real = segment._products
 
-    def another_rounding(a, b, starts, lengths, groups=0):
-        out = real(a, b, starts, lengths, groups)
-        out[0] *= 1.5  # the first segment formed again: 1.5x the norm its factor was computed from
-        if len(starts) > 1:
+    def another_rounding(a, b, units, groups=0):
+        out = real(a, b, units, groups)
+        out[0] *= 1.5  # the first unit formed again: 1.5x the norm its factor was computed from
+        if len(units) > 1:
             out[1, 0, 0] = float("nan")  # the second: no longer finite
         return out
     monkeypatch.setattr(segment, "_products", another_rounding)
-    for slot in (2, 3, 5):  # the first three segments after the held one (slot 0)
+    for slot in (2, 3, 5):  # the first three units after the held one (slot 0)
         keep = torch.zeros(len(counts), dtype=torch.bool)
         keep[slot] = True
-        total = segment.segment_outer_clipped_sum(a, b, counts, held, sq, torch.ones(len(counts)), keep)
+        total = segment.segment_outer_clipped_sum(a, b, unit, counts, held, sq, torch.ones(len(counts)), keep)
         if slot == 2:  # scaled back to the norm clip used (sq bounds it from above, within 1.6e-5)
             got = float(total.double().pow(2).sum())
             assert got <= float(sq[slot]) and got == pytest.approx(float(sq[slot]), rel=2e-5)
         elif slot == 3:
             assert bool((total == 0).all())
         else:
-            torch.testing.assert_close(total.double(), _products(a, b, counts)[slot], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(total.double(), _products(a, b, unit, counts)[slot], rtol=1e-5, atol=1e-5)
 
 
-def test_rows_of_slots_not_kept_are_never_read():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_of_slots_not_kept_are_never_read(layout):
     """A unit whose rows hold inf and nan and is not kept leaves every sum finite and unchanged."""
     a, b = _rows()
-    counts = _counts()
+    unit, counts = _layout(layout)
     keep = counts > 0
-    keep[2] = False  # rows 5..44
+    keep[2] = False
     factor = torch.rand(len(counts), dtype=torch.float64)
-    clean = [ops.segment_outer_clipped_sum(a, b, counts, *reversed(ops.segment_outer_norms(a, b, counts, 3)),
+    clean = [ops.segment_outer_clipped_sum(a, b, unit, counts, *reversed(ops.segment_outer_norms(a, b, unit, counts, 3)),
                                            factor.float(), keep),
-             ops.segment_book_keeping(a, b, counts, factor, keep)]
-    a[5:45] = float("nan")
-    b[6, 0] = float("inf")
-    sq, held = ops.segment_outer_norms(a, b, counts, 3)
+             ops.segment_book_keeping(a, b, unit, counts, factor, keep)]
+    rows = (unit == 2).nonzero().flatten()
+    a[rows] = float("nan")
+    b[rows[1], 0] = float("inf")
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, 3)
     assert not torch.isfinite(sq[2]) and bool(torch.isfinite(sq[counts > 0][[0, 2, 3, 4, 5, 6]]).all())
-    dirty = [ops.segment_outer_clipped_sum(a, b, counts, held, sq, factor.float(), keep),
-             ops.segment_book_keeping(a, b, counts, factor, keep)]
+    dirty = [ops.segment_outer_clipped_sum(a, b, unit, counts, held, sq, factor.float(), keep),
+             ops.segment_book_keeping(a, b, unit, counts, factor, keep)]
     for c, d in zip(clean, dirty):
         assert torch.equal(c, d)
     x = torch.randn(len(counts), 3, 5)
@@ -105,58 +133,93 @@ def test_rows_of_slots_not_kept_are_never_read():
     torch.testing.assert_close(total, (x[keep] * factor[keep, None, None].float()).sum(0))
 
 
-def test_ghost_norm_and_book_keeping_equal_each_segment_alone():
-    """Short segments by Grams, long ones by their product (W = P·D/(P+D) = 9 rows), both within
-    the float64 rounding bound clip adds; book-keeping over the kept segments' rows."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ghost_norm_and_book_keeping_equal_each_unit_alone(layout):
+    """Short units by Grams, long ones by their product (W = P·D/(P+D) = 9 rows), both within
+    the float64 rounding bound clip adds; book-keeping over the kept units' rows."""
     a, b = _rows()
-    counts = _counts()
-    exact = _products(a, b, counts).pow(2).sum((1, 2))
-    sq = ops.segment_sq_norm(a, b, counts)
+    unit, counts = _layout(layout)
+    exact = _products(a, b, unit, counts)
+    sq = ops.segment_sq_norm(a, b, unit, counts)
     size = torch.zeros(len(counts), dtype=torch.float64).index_add_(
-        0, torch.repeat_interleave(torch.arange(len(counts)), counts), a.double().norm(dim=1) * b.double().norm(dim=1))
+        0, unit, a.double().norm(dim=1) * b.double().norm(dim=1))
     n = counts.double()
     bound = 2 * (n * n + P * D + P + D + 1) * 2.0 ** -53 * size ** 2 * 1.01
-    assert bool(((sq - exact).abs() <= bound).all())
+    assert bool(((sq - exact.pow(2).sum((1, 2))).abs() <= bound).all())
     factor, keep = torch.rand(len(counts), dtype=torch.float64), counts > 0
     keep[6] = False
-    expected = (_products(a, b, counts) * torch.where(keep, factor, 0)[:, None, None]).sum(0)
-    torch.testing.assert_close(ops.segment_book_keeping(a, b, counts, factor, keep).double(), expected,
+    expected = (exact * torch.where(keep, factor, 0)[:, None, None]).sum(0)
+    torch.testing.assert_close(ops.segment_book_keeping(a, b, unit, counts, factor, keep).double(), expected,
                                rtol=1e-6, atol=1e-6)
+
+
+def test_the_same_units_in_either_layout_give_the_same_values():
+    """A unit's rows moved (one run, or several among other units') change no norm beyond
+    rounding and no clipped sum beyond it: each op reads a unit's rows wherever they lie."""
+    a, b = _rows()
+    (u0, counts), (u1, _) = _layout("sorted"), _layout("scattered")
+    where = torch.cat([(u1 == s).nonzero().flatten() for s in range(len(counts))])  # scattered row of each sorted one
+    a1, b1 = torch.empty_like(a), torch.empty_like(b)
+    a1[where], b1[where] = a, b
+    factor, keep = torch.rand(len(counts), dtype=torch.float64), counts > 0
+    for x, y, unit in ((a, b, u0), (a1, b1, u1)):
+        sq, held = ops.segment_outer_norms(x, y, unit, counts, 3)
+        values = [sq, ops.segment_outer_clipped_sum(x, y, unit, counts, held, sq, factor.float(), keep),
+                  ops.segment_sq_norm(x, y, unit, counts), ops.segment_book_keeping(x, y, unit, counts, factor, keep)]
+        if unit is u0:
+            first = values
+    for got, want in zip(values, first):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_empty_slots_change_no_value():
     """The same rows with 10 or 1000 slots (the extra ones empty, as a larger U leaves them): every
     op gives the same bits, and reads no row of an empty slot."""
     a, b = _rows()
-    small, large = _counts(), _counts(slots=1000)
     factor = torch.rand(1000, dtype=torch.float64)
     rows = torch.randn(1000, 3, 5, generator=torch.Generator().manual_seed(2))
     results = []
-    for counts in (small, large):
+    for slots in (None, 1000):
+        unit, counts = _layout("scattered", slots=slots)
         S = len(counts)
         keep = counts > 0
         x = rows[:S].clone()
         x[10:] = float("nan")
-        sq, held = ops.segment_outer_norms(a, b, counts, 4)
-        results.append([sq[:10], ops.segment_outer_clipped_sum(a, b, counts, held, sq, factor[:S].float(), keep),
-                        ops.segment_sq_norm(a, b, counts)[:10],
-                        ops.segment_book_keeping(a, b, counts, factor[:S], keep),
+        sq, held = ops.segment_outer_norms(a, b, unit, counts, 4)
+        results.append([sq[:10], ops.segment_outer_clipped_sum(a, b, unit, counts, held, sq, factor[:S].float(), keep),
+                        ops.segment_sq_norm(a, b, unit, counts)[:10],
+                        ops.segment_book_keeping(a, b, unit, counts, factor[:S], keep),
                         ops.unit_sq_norms(x, counts)[:10], ops.unit_weighted_sum(x, factor[:S], keep)])
     for s, l in zip(*results):
         assert torch.equal(s, l)
 
 
-def test_padding_rows_after_the_last_segment_are_never_read():
-    """``clip`` gives the padding slot (the last) no rows: its rows, after every unit's, are skipped."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padding_rows_are_never_read_wherever_they_lie(layout):
+    """``clip`` gives the padding slot (the last) no count: its rows, wherever they lie, are skipped."""
     a, b = _rows()
-    counts = _counts(LENGTHS[:-1] + [0])  # the last 20 rows: padding
-    a[100:] = float("nan")
+    unit, counts = _layout(layout, LENGTHS[:-1] + [20])
+    counts[-1] = 0  # the last slot's 20 rows: padding
+    a[unit == len(counts) - 1] = float("nan")
     keep = counts > 0
-    sq, held = ops.segment_outer_norms(a, b, counts, 3)
-    assert bool(torch.isfinite(sq).all()) and bool(torch.isfinite(ops.segment_sq_norm(a, b, counts)).all())
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, 3)
+    assert bool(torch.isfinite(sq).all()) and bool(torch.isfinite(ops.segment_sq_norm(a, b, unit, counts)).all())
     factor = torch.ones(len(counts), dtype=torch.float64)
-    assert bool(torch.isfinite(ops.segment_book_keeping(a, b, counts, factor, keep)).all())
-    assert bool(torch.isfinite(ops.segment_outer_clipped_sum(a, b, counts, held, sq, factor.float(), keep)).all())
+    assert bool(torch.isfinite(ops.segment_book_keeping(a, b, unit, counts, factor, keep)).all())
+    assert bool(torch.isfinite(ops.segment_outer_clipped_sum(a, b, unit, counts, held, sq, factor.float(), keep)).all())
+
+
+def test_fake_shapes_match():
+    a, b = _rows()
+    unit, counts = _layout("scattered")
+    keep, factor = counts > 0, torch.rand(len(counts), dtype=torch.float64)
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, 3)
+    for op, args in ((segment.segment_outer, (a, b, unit, counts)),
+                     (segment.segment_outer_norms, (a, b, unit, counts, 3)),
+                     (segment.segment_outer_clipped_sum, (a, b, unit, counts, held, sq, factor.float(), keep)),
+                     (segment.segment_sq_norm, (a, b, unit, counts)),
+                     (segment.segment_book_keeping, (a, b, unit, counts, factor, keep))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
