@@ -8,7 +8,7 @@ space, so a tail beyond 4T), or ``--data DIR``: every UTF-8 text file under DIR 
 The padded layout is today's ``load_documents`` one: each unit as R = min(max_rows, most rows
 of any unit) rows of T tokens, ``CausalLMLoss``, physical batches of B units (B·R rows). The
 packed layout: ``pack_documents`` into physical batches of the rows and U unit slots the CLI
-picks (``packing.packed_rows``: b·R rows, b = E // 128 in [1, B]; 4 slots per row), or
+picks (``packing.packed_rows``: b·R rows, b = E // 128 in [1, B]; ``packing.unit_slots_for``), or
 ``--packed-rows`` / ``--slots``, ``PackedCausalLMLoss``, ``compile(..., packed_units=U)``. Both engines run the same logical
 batches (the same Poisson draws over units, q = E[units] / N), flat clipping C = 1, σ = 1, so
 the per-document ε is the same. A step is every physical batch of the logical batch
@@ -120,7 +120,7 @@ def main() -> None:
     q = min(1.0, args.expected_units / N)
     B = args.units_per_batch
     rows = args.packed_rows or packed_rows(R, B, q * N)
-    slots = args.slots or unit_slots_for(rows)
+    slots = args.slots or unit_slots_for(rows, T)
     config = lf.DPConfig(max_grad_norm=1.0, noise_multiplier=1.0)
     padded = lf.compile(lf.CausalLMLoss(lm), config=config)
     packed = lf.compile(lf.PackedCausalLMLoss(lm), config=config, packed_units=slots)

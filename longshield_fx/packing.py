@@ -126,12 +126,25 @@ def packed_rows(rows_per_unit: int, units_per_batch: int, expected_units: float)
     return max(2, rows_per_unit * b)  # one row would run as two: refused
 
 
-def unit_slots_for(rows: int) -> int:
-    """The CLI's unit slots for physical batches of ``rows`` rows: 4 per row. Fixed, not fitted to
-    the corpus (a slot count read off the private documents would be a statistic of them). The
-    step's per-unit work follows the units present, not the slots, so empty slots cost next to
-    nothing (``benchmarks/packed_slot_cost.py``)."""
-    return 4 * rows
+def unit_slots_per_row(seq_len: int) -> int:
+    """Unit slots per row of ``seq_len`` tokens: 4096 // T, at least 4 and at most 16 (16 at
+    T = 256, 4 from T = 1024 on).
+
+    Too few slots leave padding: a physical batch that has used its slots on short units takes
+    no more, rows to spare or not (4 per row left 25% of the token slots padding on documents of
+    median T/8 at E = 64; 16 per row, 11%). The step's per-unit work follows the units present,
+    not the slots (``benchmarks/packed_slot_cost.py``), but the dense per-unit gradients (norm
+    weights, biases, an LM head under cp) hold one row per slot, so their memory grows with the
+    slots: kept to a slot per 256 token slots of a row at long T, where a row holds few documents.
+    Fixed, not fitted to the corpus (a slot count read off the private documents would be a
+    statistic of them)."""
+    return min(16, max(4, 4096 // seq_len))
+
+
+def unit_slots_for(rows: int, seq_len: int) -> int:
+    """The CLI's unit slots for physical batches of ``rows`` rows of ``seq_len`` tokens
+    (``unit_slots_per_row``)."""
+    return rows * unit_slots_per_row(seq_len)
 
 
 def empty_batch(rows: int, seq_len: int, unit_slots: int, pad_id: int = 0) -> PackedBatch:

@@ -152,3 +152,31 @@ def test_the_clis_packed_rows_leave_under_5_percent_padding_from_64_units(E, mea
             slots += ids.numel()
             real += int((unit < 4 * rows).sum())
     assert 1 - real / slots < 0.05, 1 - real / slots
+
+
+def test_the_clis_unit_slots_leave_room_for_short_documents():
+    """``unit_slots_per_row``: 4096 // T within [4, 16]. Documents of median T/8 (log-normal, σ = 1.2)
+    at E = 128 in the CLI's 4-row batches: with its slots the padding stays under 8% (6.3%); with 4
+    slots per row the slots run out before the rows do and over 20% of the token slots are padding
+    (27%)."""
+    import math
+
+    from longshield_fx.packing import packed_rows, unit_slots_for, unit_slots_per_row
+
+    assert [unit_slots_per_row(T) for T in (64, 256, 512, 1024, 32768)] == [16, 16, 8, 4, 4]
+    seq_len, R, B, E, n = 256, 4, 4, 128, 2000
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.exp(torch.randn(n, generator=g) * 1.2 + math.log(seq_len / 8)).long().clamp(2, R * seq_len)
+    units = [[[1] * int(length)] for length in lengths]
+    rows = packed_rows(R, B, E)
+    padding = {}
+    for slots in (unit_slots_for(rows, seq_len), 4 * rows):
+        sampler = PackedPoissonBatches(units, E / n, seq_len=seq_len, rows=rows, unit_slots=slots,
+                                       insecure_seed=1, steps=10)
+        total = real = 0
+        for batch in sampler:
+            for (ids, labels, positions, unit), _ in batch.physical:
+                total += ids.numel()
+                real += int((unit < slots).sum())
+        padding[slots] = 1 - real / total
+    assert padding[unit_slots_for(rows, seq_len)] < 0.08 and padding[4 * rows] > 0.2, padding

@@ -240,7 +240,7 @@ def _lower_packed(args, model, mesh, config, checkpoint, ids):
     if why:
         raise CLIError(f"inspect --packed: {why}")
     rows, T = ids.shape
-    U = unit_slots_for(rows)
+    U = unit_slots_for(rows, T)
     engine = lf.compile(lf.PackedCausalLMLoss(model.lm), mesh, config=config, checkpoint=checkpoint,
                         packed_units=U, inner_ring=args.inner_ring)
     flat = ids.flatten().tolist()  # documents of 1 to T/2 tokens cut from the random rows, one unit each

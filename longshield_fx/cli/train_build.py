@@ -45,7 +45,7 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
 
     args = job.args
     rows = packed_rows(job.corpus.rows_per_unit, args.physical_batch_size, job.q * job.corpus.num_units)
-    job.unit_slots = unit_slots_for(rows)
+    job.unit_slots = unit_slots_for(rows, args.seq_len)
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
                             fsdp=job.fsdp, packed_units=job.unit_slots)
     try:

@@ -88,7 +88,6 @@ def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int,
     ``weight_grad``.
     """
     B, T, d = h.shape
-    V = w.shape[0]
     loss = torch.zeros(B, T, dtype=logits_dtype, device=h.device)
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format)
     head = _HeadGrad(h, w, weight_grad, units, slots, rows)

@@ -78,6 +78,15 @@ def _adjacent(units: list[Runs]) -> bool:
         units[i][0][0] + units[i][0][1] == units[i + 1][0][0] for i in range(len(units) - 1))
 
 
+def _rows_in_order(units: list[Runs], device: torch.device) -> torch.Tensor:
+    """The row indices of the units' runs, one unit after another (a few kernels, whatever the runs)."""
+    starts = torch.tensor([s for runs in units for s, _ in runs], device=device)
+    lengths = torch.tensor([n for runs in units for _, n in runs], device=device)
+    total = sum(_size(runs) for runs in units)
+    first = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths, output_size=total)
+    return first + torch.arange(total, device=device)
+
+
 _LOOPING = ("cpu",)  # devices whose grouped matmul is a loop of matmuls (see ``_products``)
 
 
@@ -97,7 +106,7 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
     loop = a.device.type in _LOOPING and (not _adjacent(units) or 2 * k < groups)
     if _grouped_mm_fits(a, b) and not loop:
         if not _adjacent(units):
-            index = torch.cat([torch.arange(s, s + n, device=a.device) for runs in units for s, n in runs])
+            index = _rows_in_order(units, a.device)
             a, b = a.index_select(0, index), b.index_select(0, index)
             lo, hi = 0, index.numel()
         else:

@@ -203,13 +203,13 @@ def test_inspect_double_ring_passes_its_inner_ring_to_the_graph_and_the_timeline
 
 
 def test_inspect_packed_shows_the_unit_slots_and_each_parameters_per_unit_method(tmp_path, capsys):
-    """--packed lowers the graph `train --data` runs: 4 unit slots per row, and per parameter the
+    """--packed lowers the graph `train --data` runs: its unit slots per row, and per parameter the
     norm method the packed engine picks for those shapes (the unit slots are its samples); with
     --cp 2, the ring attention and the per-unit-slot gradients reduce-scattered over cp."""
     from longshield_fx.packing import empty_batch, unit_slots_for
 
     text = run_inspect("-T", T, "--packed", "--out", tmp_path)
-    U = unit_slots_for(B)
+    U = unit_slots_for(B, T)
     assert f"packed documents: {U} unit slots per physical batch" in text
     engine = lf.compile(lf.PackedCausalLMLoss(_model().lm), config=lf.DPConfig(1.0, 1.0), packed_units=U)
     methods = engine.lower(*empty_batch(B, T, U).tensors()).norm_methods

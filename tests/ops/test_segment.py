@@ -161,15 +161,16 @@ def test_the_same_units_in_either_layout_give_the_same_values():
     where = torch.cat([(u1 == s).nonzero().flatten() for s in range(len(counts))])  # scattered row of each sorted one
     a1, b1 = torch.empty_like(a), torch.empty_like(b)
     a1[where], b1[where] = a, b
-    factor, keep = torch.rand(len(counts), dtype=torch.float64), counts > 0
+    factor = torch.rand(len(counts), dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    keep = counts > 0
     for x, y, unit in ((a, b, u0), (a1, b1, u1)):
         sq, held = ops.segment_outer_norms(x, y, unit, counts, 3)
         values = [sq, ops.segment_outer_clipped_sum(x, y, unit, counts, held, sq, factor.float(), keep),
                   ops.segment_sq_norm(x, y, unit, counts), ops.segment_book_keeping(x, y, unit, counts, factor, keep)]
         if unit is u0:
             first = values
-    for got, want in zip(values, first):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(values, first):  # summed in another order: fp32 rounding apart
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_empty_slots_change_no_value():
