@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--expected-units", type=float, default=32, help="E[units] per logical batch (q·N)")
     ap.add_argument("--units", type=int, default=2000, help="units in the synthetic corpus")
     ap.add_argument("--packed-rows", type=int, default=0, help="rows per packed batch (default: the CLI's rule)")
-    ap.add_argument("--slots", type=int, default=0, help="U: unit slots per packed batch (default: 4 per row)")
+    ap.add_argument("--slots", type=int, default=0, help="U: unit slots per packed batch (default: packing.unit_slots_for(rows, T))")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--data", default=None, help="a directory of text files (one unit each) instead")

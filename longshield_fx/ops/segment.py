@@ -2,8 +2,10 @@
 own order: ``unit`` (N,) int64 names the unit slot of each of the N rows (the rows of one unit
 need not be adjacent: a unit is every run of rows that names it), and ``counts`` (S,) the S = U + 1
 slots' token counts; a slot with no count is never read (``clip`` gives the padding slot, the
-last, none). No op sorts or copies the rows: a unit's product is formed from its runs where they
-lie.
+last, none). Nothing sorts the rows or keeps a copy of them: on the CPU a unit's product is
+formed from its runs where they lie; a GPU gathers the units of one grouped matmul into slot
+order for that call (at most the layer's rows, freed after it), and the ghost norm gathers each
+batch of units it pads.
 
 Every op here works on the units present, found from ``unit`` and ``counts`` when it runs, and
 never on the S slots a fixed shape reserves: a physical batch's work follows its tokens and units,
@@ -22,8 +24,6 @@ and a unit ``clip`` does not keep is never read by the sums.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .._torch import grouped_mm
@@ -39,20 +39,20 @@ def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
             and (a.shape[1] * a.element_size()) % 16 == 0 and (b.shape[1] * b.element_size()) % 16 == 0)
 
 
-_last_units: list = [None, -1, None, -1, None]  # (weakrefs to unit and counts, their versions, their units)
+_found_units: list = []  # the last two (unit, counts, their units): copies, compared by value
 
 
 def _units(unit: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[Runs]]:
     """(slots, runs): the slots that hold rows here and have a count, in slot order, and each
     one's runs of rows.
 
-    Every layer of a step reads the same ``unit`` and ``counts`` tensors: their units are found
-    once. The cache holds weak references, so a new tensor (even at a freed one's address) or a
-    write to one (its version moves) is never served another's units."""
-    ref_u, version_u, ref_c, version_c, found = _last_units
-    if (ref_u is not None and ref_u() is unit and version_u == unit._version and ref_c() is counts
-            and version_c == counts._version):
-        return found
+    Every layer of a step reads the same ``unit`` and ``counts``: their units are found once per
+    step. The cache compares values, not tensor identities (a compiled graph may write a new
+    step's counts into the buffer of the last one without a version bump), and keeps two entries:
+    a step may read two counts (the clip's, which gives padding none, and the batch's own)."""
+    for cached_unit, cached_counts, found in _found_units:
+        if torch.equal(cached_unit, unit) and torch.equal(cached_counts, counts):
+            return found
     runs_of: dict[int, Runs] = {}
     if unit.numel():
         starts = torch.cat([unit.new_zeros(1), (unit[1:] != unit[:-1]).nonzero().flatten() + 1])
@@ -63,7 +63,7 @@ def _units(unit: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list
                 runs_of.setdefault(slot, []).append((start, end - start))
     order = sorted(runs_of)
     found = torch.tensor(order, dtype=torch.int64, device=unit.device), [runs_of[s] for s in order]
-    _last_units[:] = [weakref.ref(unit), unit._version, weakref.ref(counts), counts._version, found]
+    _found_units[:] = [(unit.clone(), counts.clone(), found)] + _found_units[:1]
     return found
 
 
@@ -118,9 +118,15 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
     out = a.new_empty(max(groups, k), p, d)
     for product, runs in zip(out, units):
         (s, n), rest = runs[0], runs[1:]
-        torch.mm(a[s:s + n].t(), b[s:s + n], out=product)
-        for s, n in rest:
-            product.addmm_(a[s:s + n].t(), b[s:s + n])
+        if not rest or a.dtype in (torch.float32, torch.float64):
+            torch.mm(a[s:s + n].t(), b[s:s + n], out=product)
+            for s, n in rest:
+                product.addmm_(a[s:s + n].t(), b[s:s + n])
+        else:  # bf16, fp16: the runs summed in fp32 and rounded once, as one matmul over them would be
+            total = torch.zeros(p, d, dtype=torch.float32, device=a.device)
+            for s, n in runs:
+                total.addmm_(a[s:s + n].t().float(), b[s:s + n].float())
+            product.copy_(total)
     return out
 
 
@@ -221,7 +227,7 @@ def _(a, b, unit, counts):
 def segment_outer_norms(a: torch.Tensor, b: torch.Tensor, unit: torch.Tensor, counts: torch.Tensor,
                         capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sq, held): sq (S,) float64, ``‖a_sᵀ b_s‖²`` of each unit's product in ``a``'s dtype
-    (0 for an empty slot), summed in float64; held (capacity, p, d): the products of the first
+    (0 for an empty slot), an upper bound within 1.6e-5 of it (``_sq_norms``); held (capacity, p, d): the products of the first
     ``capacity`` units present, in slot order (after them: unspecified, never read), for
     ``segment_outer_clipped_sum``. The products of further units are formed for their norm and
     let go (that sum forms them again). Each norm is taken as its product is formed."""
@@ -291,8 +297,9 @@ def _(a, b, unit, counts, held, sq, factor, keep):
 
 @torch.library.custom_op("longshield::unit_sq_norms", mutates_args=())
 def unit_sq_norms(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """(S,) float64: ``‖x[s]‖²`` of each slot that holds rows, summed in float64 (0 for an empty
-    slot, whose rows are never read): the norms of a per-unit gradient held as (S, ...) rows."""
+    """(S,) float64: ``‖x[s]‖²`` of each slot that holds rows, an upper bound within 1.6e-5 of it
+    (``_sq_norms``), 0 for an empty slot, whose rows are never read: the norms of a per-unit
+    gradient held as (S, ...) rows."""
     slots = counts.nonzero().flatten()
     sq = torch.zeros(counts.shape[0], dtype=torch.float64, device=x.device)
     if slots.numel():
@@ -327,7 +334,7 @@ def _(x, factor, keep):
 
 
 def _batches(lengths: list[int], cost, size, slack: float = 1.5) -> list[list[int]]:
-    """Segments (indices into ``lengths``) in batches of similar length: sorted by length, each
+    """Units (indices into ``lengths``) in batches of similar length: sorted by length, each
     batch grown while padding every member to the longest costs at most ``slack`` times the
     members' own ``cost(n)`` and the batch's ``size(k, n_max)`` elements fit ``_CHUNK``."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
@@ -342,26 +349,31 @@ def _batches(lengths: list[int], cost, size, slack: float = 1.5) -> list[list[in
     return out + ([batch] if batch else [])
 
 
-def _padded_rows(x: torch.Tensor, units: list[Runs], n_max: int) -> torch.Tensor:
-    """(k, n_max, ·) float64: each unit's rows of ``x`` (its runs in row order), padded with zero
-    rows (filled, not multiplied: a zero times another row's inf would be nan). Padding adds exact
-    zeros to every sum the Grams and products make, so it moves neither their value nor their
-    rounding."""
+def _padded_index(units: list[Runs], n_max: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, pad), both (k, n_max): each unit's rows (its runs in row order) then padding."""
     runs = []  # (member, start, length, where the run goes within its unit: after its earlier runs)
     for i, unit_runs in enumerate(units):
         at = 0
         for s, n in unit_runs:
             runs.append((i, s, n, at))
             at += n
-    member, start, length, first = (torch.tensor(column, device=x.device) for column in zip(*runs))
-    offset = torch.cat([torch.zeros_like(length[:1]), length.cumsum(0)[:-1]])
-    run = torch.repeat_interleave(torch.arange(len(runs), device=x.device), length)
-    step = torch.arange(run.numel(), device=x.device) - offset.index_select(0, run)
-    index = torch.zeros(len(units), n_max, dtype=torch.int64, device=x.device)
-    pad = torch.ones(len(units), n_max, dtype=torch.bool, device=x.device)
+    member, start, length, first = (torch.tensor(column, device=device) for column in zip(*runs))
+    total = sum(n for _, _, n, _ in runs)
+    offset = length.cumsum(0) - length
+    run = torch.repeat_interleave(torch.arange(len(runs), device=device), length, output_size=total)
+    step = torch.arange(total, device=device) - offset.index_select(0, run)
+    index = torch.zeros(len(units), n_max, dtype=torch.int64, device=device)
+    pad = torch.ones(len(units), n_max, dtype=torch.bool, device=device)
     row, column = member.index_select(0, run), first.index_select(0, run) + step
     index[row, column] = start.index_select(0, run) + step
     pad[row, column] = False
+    return index, pad
+
+
+def _padded_rows(x: torch.Tensor, index: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """(k, n_max, ·) float64: the rows ``index`` of ``x``, zero rows where ``pad`` (filled, not
+    multiplied: a zero times another row's inf would be nan). Padding adds exact zeros to every
+    sum the Grams and products make, so it moves neither their value nor their rounding."""
     rows = x.index_select(0, index.flatten()).view(*index.shape, x.shape[1])
     return rows.masked_fill_(pad[:, :, None], 0).double()
 
@@ -390,8 +402,8 @@ def segment_sq_norm(a: torch.Tensor, b: torch.Tensor, unit: torch.Tensor, counts
         for batch in _batches([lengths[i] for i in members], cost, size):
             chosen = [members[i] for i in batch]
             n_max = max(lengths[i] for i in chosen)
-            x = _padded_rows(a, [units[i] for i in chosen], n_max)
-            y = _padded_rows(b, [units[i] for i in chosen], n_max)
+            index, pad = _padded_index([units[i] for i in chosen], n_max, a.device)
+            x, y = _padded_rows(a, index, pad), _padded_rows(b, index, pad)
             if gram:
                 value = (torch.bmm(x, x.transpose(1, 2)) * torch.bmm(y, y.transpose(1, 2))).sum((1, 2))
             else:

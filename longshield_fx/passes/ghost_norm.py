@@ -50,10 +50,9 @@ read by N token rows holding P units of n̄ = N/P tokens, in fp32 multiply-adds:
 The constants were measured on one CPU core. Left out: the ghost ops' own overhead (about 1 ms
 a layer at N = 2048, gathers and Python), so the rule keeps ghost up to units of about 20
 tokens, where per-unit is already the faster from about 12. How many units a batch holds is
-known only when it runs; the rule takes ``train``'s slots per row (``expected_units``: 16 per
-row at T = 256, 4 from T = 1024), at most U: a guess at the units present, never the slots
-reserved, so the same rows choose the same methods at any U of at least that many per row, and
-each method's work follows the batch's units.
+known only when it runs; the rule takes P = 4 per row (``expected_units``), at most U: a guess
+at the units present, never the slots reserved, so the same rows choose the same methods at any U
+of at least 4 per row, and each method's work follows the batch's units.
 Either choice is exact for any P.
 
 Assumes: ``per_sample`` ran on a training graph in one process (cp = 1). Guarantees: every
@@ -66,7 +65,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..packing import unit_slots_per_row
 from ._context import NORM_METHOD, PER_SAMPLE_GRAD, PER_SAMPLE_RULE, PassContext
 from ._graph import val
 from .per_sample import PerSampleGrad
@@ -87,10 +85,13 @@ _PER_UNIT_CALL = 400_000  # each unit's matmul call in the grouped matmul (4 µs
 _FLOAT64 = 4  # a float64 multiply-add of the Grams and the book-keeping (bk: 0.9 ms, fp32 mm: 0.25 ms)
 
 
-def expected_units(N: int, rows: int, U: int) -> int:
-    """The units a packed batch of N tokens in ``rows`` rows and U slots is taken to hold when the
-    graph is built: ``train``'s slots per row (``packing.unit_slots_per_row``), at most U."""
-    return max(1, min(U, rows * unit_slots_per_row(N // rows)))
+def expected_units(rows: int, U: int) -> int:
+    """The units a packed batch of ``rows`` rows and U slots is taken to hold when the graph is
+    built: 4 per row, at most U. A guess at the units present, not the slots: ``train`` reserves
+    up to 16 per row (``packing.unit_slots_per_row``) so that short documents find a slot, and
+    taking every slot to hold a unit would price units of a few tokens, for which ghost norm (in
+    float64) wins, where a batch of longer units runs twice as slow by it."""
+    return max(1, min(U, 4 * rows))
 
 
 def products_held(N: int, rows: int, U: int, m: int, n: int) -> int:
@@ -98,13 +99,13 @@ def products_held(N: int, rows: int, U: int, m: int, n: int) -> int:
     clipped sum (``segment_outer_norms``' capacity): the expected units, within twice the
     layer's N token rows (the memory the ghost form would keep instead); further ones are formed
     again."""
-    return max(1, min(expected_units(N, rows, U), 2 * N * (m + n) // (m * n)))
+    return max(1, min(expected_units(rows, U), 2 * N * (m + n) // (m * n)))
 
 
 def packed_prefers_ghost(N: int, rows: int, U: int, m: int, n: int) -> tuple[bool, str]:
     """Ghost norm for a packed (m, n) weight read by N token rows in ``rows`` rows with U unit slots,
     and the comparison, in multiply-adds (see the module docstring)."""
-    units = expected_units(N, rows, U)
+    units = expected_units(rows, U)
     tokens = -(-N // units)  # a unit's, on average
     each = _PER_UNIT_PASS * m * n + _PER_UNIT_CALL
     again = max(0, units - products_held(N, rows, U, m, n))  # products formed a second time

@@ -26,7 +26,7 @@ def _layout(layout: str = "sorted", lengths=LENGTHS, slots: int | None = None) -
     blocks of 8 and shuffled, so most units are several runs among other units' rows."""
     counts = torch.tensor(lengths + [0] * ((slots or len(lengths)) - len(lengths)))
     unit = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    unit = torch.cat([unit, torch.full((N - unit.numel(),), len(lengths) - 1)])  # rows after: a slot with no count
+    unit = torch.cat([unit, torch.full((N - unit.numel(),), len(lengths) - 1)])  # rows after: the last slot's
     if layout == "scattered":
         unit = unit.view(-1, 8)[torch.randperm(N // 8, generator=torch.Generator().manual_seed(3))].flatten()
     return unit, counts

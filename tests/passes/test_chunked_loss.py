@@ -132,7 +132,7 @@ def test_a_frozen_head_gets_no_per_sample_gradient():
 def test_packed_documents_head_gradients_are_per_unit_and_equal_each_unit_alone(kind):
     """Packed rows: chunks of 3 positions per row cut through units and hold several; units span
     rows. The reference Llama's head (U = 8 slots, N = 64 positions, V = 64, d = 32: N·(V+d) <
-    (U+1)·V·d) gets the rows form, the logits' gradient (N, V) sorted by unit; GPT-2's, tied to
+    (U+1)·V·d) gets the rows form, the logits' gradient (N, V) as token rows; GPT-2's, tied to
     the embedding, the op's per-slot sums (U+1, V, d). Per-unit gradients equal the plain
     graph's and each unit run alone, and the graph has no log-softmax of whole rows left."""
     from longshield_fx.packing import pack_documents
@@ -161,7 +161,7 @@ def test_packed_documents_head_gradients_are_per_unit_and_equal_each_unit_alone(
 @pytest.mark.parametrize("slots", [8, 1])
 def test_packed_head_form_follows_the_cost_rule(slots):
     """N·(V+d) < (U+1)·V·d (N = 64 positions, V = 64, d = 32: U ≥ 3): the op returns the logits'
-    gradient sorted by unit, the head is a packed linear weight for ``ghost_norm`` and ``clip``
+    gradient as token rows, the head is a packed linear weight for ``ghost_norm`` and ``clip``
     (ghost here), and the training graph holds no (U+1, V, d) tensor; below, the op's per-slot
     sums and the head's per-unit gradient as they are (``per-sample``)."""
     from longshield_fx.packing import pack_documents
