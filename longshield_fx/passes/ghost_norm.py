@@ -65,6 +65,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..packing import unit_slots_per_row
 from ._context import NORM_METHOD, PER_SAMPLE_GRAD, PER_SAMPLE_RULE, PassContext
 from ._graph import val
 from .per_sample import PerSampleGrad
@@ -96,10 +97,14 @@ def expected_units(rows: int, U: int) -> int:
 
 def products_held(N: int, rows: int, U: int, m: int, n: int) -> int:
     """How many per-unit products of an (m, n) weight ``clip`` keeps from their norms to the
-    clipped sum (``segment_outer_norms``' capacity): the expected units, within twice the
+    clipped sum (``segment_outer_norms``' capacity): as many as ``train``'s slots (16 per row
+    at T = 256, 4 from T = 1024: ``packing.unit_slots_per_row``), at most U, within twice the
     layer's N token rows (the memory the ghost form would keep instead); further ones are formed
-    again."""
-    return max(1, min(expected_units(rows, U), 2 * N * (m + n) // (m * n)))
+    again. Rows of short documents hold more units than the cost model's guess (4 per row), and
+    forming those again cost a packed step of 2 rows more than its products (tiny Llama: 40 ms,
+    of which 6 in the clipped sums)."""
+    slots = rows * unit_slots_per_row(N // rows)
+    return max(1, min(U, slots, 2 * N * (m + n) // (m * n)))
 
 
 def packed_prefers_ghost(N: int, rows: int, U: int, m: int, n: int) -> tuple[bool, str]:
