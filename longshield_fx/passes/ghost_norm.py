@@ -100,9 +100,9 @@ def products_held(N: int, rows: int, U: int, m: int, n: int) -> int:
     clipped sum (``segment_outer_norms``' capacity): as many as ``train``'s slots (16 per row
     at T = 256, 4 from T = 1024: ``packing.unit_slots_per_row``), at most U, within twice the
     layer's N token rows (the memory the ghost form would keep instead); further ones are formed
-    again. Rows of short documents hold more units than the cost model's guess (4 per row), and
-    forming those again cost a packed step of 2 rows more than its products (tiny Llama: 40 ms,
-    of which 6 in the clipped sums)."""
+    again. Rows of short documents hold more units than the cost model's guess (4 per row):
+    holding only that many, a tiny Llama's step on 2 rows of 11 units took 40 ms instead of 30,
+    forming the rest twice."""
     slots = rows * unit_slots_per_row(N // rows)
     return max(1, min(U, slots, 2 * N * (m + n) // (m * n)))
 
