@@ -410,12 +410,13 @@ def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, 
     trainer.train()
     assert trainer.engine.captures == 1 and trainer.privacy_record()["privacy_arguments"]["pack_seq_len"] == 32
 
-    from longshield_fx.packing import PackedPoissonBatches
+    from longshield_fx.packing import PackedPoissonBatches, unit_slots_for
 
     lm = transformers.AutoModelForCausalLM.from_pretrained(folders[1]).train()
-    sampler = PackedPoissonBatches([[d] for d in docs], 8 / len(docs), seq_len=32, rows=4, unit_slots=16,
+    U = unit_slots_for(4, 32)  # the Trainer's: 16 per row at T = 32
+    sampler = PackedPoissonBatches([[d] for d in docs], 8 / len(docs), seq_len=32, rows=4, unit_slots=U,
                                    pad_id=trainer.model.config.pad_token_id, insecure_seed=SEED)
-    engine = lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, insecure_seed=SEED), packed_units=16)
+    engine = lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, insecure_seed=SEED), packed_units=U)
     optimizer = transformers.Trainer(model=lm, args=args).create_optimizer()
     draws = iter(sampler)
     for _ in range(3):

@@ -36,8 +36,8 @@ def compile_run(job: Job, dataset=None) -> None:
 
 def _compile_packed(job: Job, config, checkpoint) -> None:
     """Packed documents: physical batches of at most B·R rows (the memory of B padded units,
-    fewer while E is small: ``packing.packed_rows``) holding up to 4 units per row, Poisson
-    sampling over units (``packing.PackedPoissonBatches``)."""
+    fewer while E is small: ``packing.packed_rows``) holding up to ``packing.unit_slots_per_row(T)``
+    units per row, Poisson sampling over units (``packing.PackedPoissonBatches``)."""
     import longshield_fx as lf
 
     from ..errors import UnsupportedModelError
