@@ -103,9 +103,10 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
     k, p, d = len(units), a.shape[1], b.shape[1]
     if k == 0:
         return a.new_zeros(groups, p, d)
-    loop = a.device.type in _LOOPING and (not _adjacent(units) or 2 * k < groups)
+    adjacent = _adjacent(units)
+    loop = a.device.type in _LOOPING and (not adjacent or 2 * k < groups)
     if _grouped_mm_fits(a, b) and not loop:
-        if not _adjacent(units):
+        if not adjacent:
             index = _rows_in_order(units, a.device)
             a, b = a.index_select(0, index), b.index_select(0, index)
             lo, hi = 0, index.numel()
