@@ -117,18 +117,30 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
             ends = torch.cat([ends, ends[-1:].expand(groups - k)])
         return grouped_mm(a[lo:hi].t(), b[lo:hi], ends.to(torch.int32))
     out = a.new_empty(max(groups, k), p, d)
-    for product, runs in zip(out, units):
-        (s, n), rest = runs[0], runs[1:]
-        if not rest or a.dtype in (torch.float32, torch.float64):
-            torch.mm(a[s:s + n].t(), b[s:s + n], out=product)
-            for s, n in rest:
-                product.addmm_(a[s:s + n].t(), b[s:s + n])
+    left, right = _runs_of(a.t(), b, units)
+    for product, xs, ys in zip(out[:k].unbind(0), left, right):
+        if len(xs) == 1:
+            torch.mm(xs[0], ys[0], out=product)
+        elif a.dtype in (torch.float32, torch.float64):
+            torch.mm(xs[0], ys[0], out=product)
+            for x, y in zip(xs[1:], ys[1:]):
+                product.addmm_(x, y)
         else:  # bf16, fp16: the runs summed in fp32 and rounded once, as one matmul over them would be
             total = torch.zeros(p, d, dtype=torch.float32, device=a.device)
-            for s, n in runs:
-                total.addmm_(a[s:s + n].t().float(), b[s:s + n].float())
+            for x, y in zip(xs, ys):
+                total.addmm_(x.float(), y.float())
             product.copy_(total)
     return out
+
+
+def _runs_of(at: torch.Tensor, b: torch.Tensor, units: list[Runs]) -> tuple[list, list]:
+    """Each unit's runs as views, ``at[:, run]`` and ``b[run]``, cut by one ``tensor_split`` of
+    each operand (a Python slice per run costs as much as a small product's matmul)."""
+    cuts = sorted({c for runs in units for s, n in runs for c in (s, s + n)})
+    piece = {c: i + 1 for i, c in enumerate(cuts)}  # the piece that starts at c
+    xs, ys = at.tensor_split(cuts, 1), b.tensor_split(cuts, 0)
+    return ([[xs[piece[s]] for s, _ in runs] for runs in units],
+            [[ys[piece[s]] for s, _ in runs] for runs in units])
 
 
 def _pieces(k: int, width: int, device: torch.device) -> tuple[int, int]:
@@ -159,31 +171,32 @@ def _sq_norms(x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tenso
     overflows (an element above 1.8e19) is summed in float64 instead; an inf or nan stays one.
     float64 rows are summed in float64 (within 2.3e-16 per term there)."""
     k = x.shape[0] if index is None else index.numel()
-    out = torch.zeros(k, dtype=torch.float64, device=x.device)
     if k == 0 or x.shape[0] == 0:  # a batch that drew no unit: nothing to read (and no row length to infer)
-        return out
+        return torch.zeros(k, dtype=torch.float64, device=x.device)
     rows = x.reshape(x.shape[0], -1)
     width = rows.shape[1]
-    fast = x.dtype != torch.float64
-    if not fast:
+    if x.dtype == torch.float64:
+        out = torch.zeros(k, dtype=torch.float64, device=x.device)
         per, cols = _pieces(k, width, x.device)
-    else:  # fp32 blocks need no float64 copy: pieces only bound an index_select's copy or an upcast
-        per, cols = (k if index is None and x.dtype == torch.float32 else max(1, _CHUNK // width)), width
-    for i in range(0, k, per):
-        for j in range(0, width, cols):
-            part = rows[:, j:j + cols]
-            part = part[i:i + per] if index is None else part.index_select(0, index[i:i + per])
-            out[i:i + per] += _block_sq_sums(part) if fast else \
-                torch.linalg.vector_norm(part, dim=1, dtype=torch.float64).square()
-    if fast:
-        blocks = -(-width // _BLOCK)
-        ku = (_BLOCK + 4) * 2.0 ** -24 + blocks * 2.0 ** -53
-        out = out * (1 + ku / (1 - ku)) + width * 2.0 ** -148
-        overflow = torch.isinf(out)
-        if bool(overflow.any()):
-            where = overflow.nonzero().flatten()
-            where = where if index is None else index.index_select(0, where)
-            out[overflow] = torch.linalg.vector_norm(rows.index_select(0, where), dim=1, dtype=torch.float64).square()
+        for i in range(0, k, per):
+            for j in range(0, width, cols):
+                part = rows[:, j:j + cols]
+                part = part[i:i + per] if index is None else part.index_select(0, index[i:i + per])
+                out[i:i + per] += torch.linalg.vector_norm(part, dim=1, dtype=torch.float64).square()
+        return out
+    # fp32 blocks need no float64 copy: pieces only bound an index_select's copy or an upcast
+    per = k if index is None and x.dtype == torch.float32 else max(1, _CHUNK // width)
+    sums = [_block_sq_sums(rows[i:i + per] if index is None else rows.index_select(0, index[i:i + per]))
+            for i in range(0, k, per)]
+    out = sums[0] if len(sums) == 1 else torch.cat(sums)
+    blocks = -(-width // _BLOCK)
+    ku = (_BLOCK + 4) * 2.0 ** -24 + blocks * 2.0 ** -53
+    out = out.mul_(1 + ku / (1 - ku)).add_(width * 2.0 ** -148)
+    overflow = torch.isinf(out)
+    if bool(overflow.any()):
+        where = overflow.nonzero().flatten()
+        where = where if index is None else index.index_select(0, where)
+        out[overflow] = torch.linalg.vector_norm(rows.index_select(0, where), dim=1, dtype=torch.float64).square()
     return out
 
 
@@ -192,12 +205,12 @@ def _block_sq_sums(part: torch.Tensor) -> torch.Tensor:
     part = part.float()
     k, width = part.shape
     main = width - width % _BLOCK
-    total = torch.zeros(k, dtype=torch.float64, device=part.device)
-    if main:
-        blocks = torch.linalg.vector_norm(part[:, :main].reshape(k, main // _BLOCK, _BLOCK), dim=2)
-        total += blocks.square_().sum(1, dtype=torch.float64)
+    if main == 0:
+        return torch.linalg.vector_norm(part, dim=1).double().square_()
+    total = torch.linalg.vector_norm(part[:, :main].reshape(k, main // _BLOCK, _BLOCK), dim=2).square_().sum(
+        1, dtype=torch.float64)
     if main < width:
-        total += torch.linalg.vector_norm(part[:, main:], dim=1).double().square()
+        total += torch.linalg.vector_norm(part[:, main:], dim=1).double().square_()
     return total
 
 
