@@ -317,8 +317,14 @@ def unit_sq_norms(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     slots = counts.nonzero().flatten()
     sq = torch.zeros(counts.shape[0], dtype=torch.float64, device=x.device)
     if slots.numel():
-        sq[slots] = _sq_norms(x, slots)
+        sq[slots] = _sq_norms(x[:slots.numel()]) if _is_prefix(slots) else _sq_norms(x, slots)
     return sq
+
+
+def _is_prefix(slots: torch.Tensor) -> bool:
+    """Whether the ascending, distinct ``slots`` are 0, 1, ..., k - 1 (as a batch's units fill
+    their slots): then their rows are read where they lie, with no gathered copy."""
+    return int(slots[-1]) == slots.numel() - 1
 
 
 @unit_sq_norms.register_fake
@@ -333,12 +339,20 @@ def unit_weighted_sum(x: torch.Tensor, factor: torch.Tensor, keep: torch.Tensor)
     rows = x.reshape(x.shape[0], -1)
     out = torch.zeros(rows.shape[1], dtype=torch.float32, device=x.device)
     slots = keep.nonzero().flatten()
-    if slots.numel():
-        f = factor.index_select(0, slots).float()
-        per, cols = _pieces(slots.numel(), rows.shape[1], x.device)
-        cols = cols if per >= slots.numel() else max(1, cols // slots.numel())  # k x cols in a piece
-        for j in range(0, rows.shape[1], cols):
-            out[j:j + cols] = torch.mv(rows[:, j:j + cols].index_select(0, slots).float().t(), f)
+    if not slots.numel():
+        return out.view(x.shape[1:])
+    f = factor.index_select(0, slots).float()
+    if x.dtype == torch.float32 and _is_prefix(slots):  # the kept rows read where they lie
+        return torch.mv(rows[:slots.numel()].t(), f).view(x.shape[1:])
+    if x.dtype == torch.float32:  # gathered by chunks of _CHUNK elements, nothing to upcast
+        per = max(1, _CHUNK // max(1, rows.shape[1]))
+        for i in range(0, slots.numel(), per):
+            out.add_(torch.mv(rows.index_select(0, slots[i:i + per]).t(), f[i:i + per]))
+        return out.view(x.shape[1:])
+    per, cols = _pieces(slots.numel(), rows.shape[1], x.device)  # upcast copies small enough to stay in cache
+    cols = cols if per >= slots.numel() else max(1, cols // slots.numel())  # k x cols in a piece
+    for j in range(0, rows.shape[1], cols):
+        out[j:j + cols] = torch.mv(rows[:, j:j + cols].index_select(0, slots).float().t(), f)
     return out.view(x.shape[1:])
 
 

@@ -195,6 +195,25 @@ def test_empty_slots_change_no_value():
         assert torch.equal(s, l)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("present", [[0, 1, 2, 3], [0, 2, 5]])
+def test_dense_per_unit_rows_are_read_only_for_the_slots_present(present, dtype):
+    """``unit_sq_norms`` and ``unit_weighted_sum`` on (S, ...) rows: slots 0..k-1 (as a batch's units fill
+    them, read in place) or scattered ones (gathered); every other row nan, never read."""
+    x = torch.full((7, 4, 6), float("nan"), dtype=dtype)
+    x[present] = torch.randn(len(present), 4, 6, generator=torch.Generator().manual_seed(5)).to(dtype)
+    counts = torch.zeros(7, dtype=torch.int64)
+    counts[present] = 3
+    factor = torch.rand(7, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    sq = ops.unit_sq_norms(x, counts)
+    exact = x[present].double().pow(2).sum((1, 2))
+    assert bool((sq[counts == 0] == 0).all())
+    assert bool((sq[present] >= exact).all()) and bool((sq[present] <= exact * (1 + 1.6e-5)).all())
+    total = ops.unit_weighted_sum(x, factor, counts > 0)
+    want = (x[present].double() * factor[present, None, None]).sum(0)
+    torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_padding_rows_are_never_read_wherever_they_lie(layout):
     """``clip`` gives the padding slot (the last) no count: its rows, wherever they lie, are skipped."""
