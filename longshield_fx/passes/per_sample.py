@@ -235,7 +235,11 @@ class Rewriter:
         V, row = g.shape[0], list(g.shape[1:])
         B = self.B
         dtype = val(g.rows[0][1]).dtype
-        flat = self.call(aten.zeros.default, [B * V, *row], dtype=dtype, device=val(g.rows[0][1]).device)
+        # Rows go straight into the dense part when there is one (a tied head's (B, V, d)): one
+        # (B, V, d) buffer fewer live at once than a zeroed one added to it.
+        into = g.dense is not None and val(g.dense).dtype == dtype and val(g.dense).is_contiguous()
+        flat = self.call(aten.view.default, g.dense, [B * V, *row]) if into else \
+            self.call(aten.zeros.default, [B * V, *row], dtype=dtype, device=val(g.rows[0][1]).device)
         offsets = self.call(aten.mul.Tensor, self.call(aten.arange.default, B, device=val(g.rows[0][0]).device), V)
         for indices, values, *owner in g.rows:
             if owner:  # packed: flat rows, each with its unit slot
@@ -247,7 +251,7 @@ class Rewriter:
             flat = self.call(aten.index_add.default, flat, 0, self.call(aten.view.default, idx, [B * n]),
                              self.call(aten.view.default, values, [B * n, *row]))
         out = self.call(aten.view.default, flat, [B, V, *row])
-        return out if g.dense is None else self.call(aten.add.Tensor, g.dense, out)
+        return out if g.dense is None or into else self.call(aten.add.Tensor, g.dense, out)
 
 
 def _batch_derived(graph: fx.Graph) -> set[fx.Node]:
