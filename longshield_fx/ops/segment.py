@@ -265,8 +265,8 @@ def _(a, b, unit, counts, capacity):
 
 
 @torch.library.custom_op("longshield::segment_outer_clipped_sum", mutates_args=())
-def segment_outer_clipped_sum(a: torch.Tensor, b: torch.Tensor, unit: torch.Tensor, counts: torch.Tensor,
-                              held: torch.Tensor, sq: torch.Tensor, factor: torch.Tensor,
+def segment_outer_clipped_sum(a: torch.Tensor | None, b: torch.Tensor | None, unit: torch.Tensor,
+                              counts: torch.Tensor, held: torch.Tensor, sq: torch.Tensor, factor: torch.Tensor,
                               keep: torch.Tensor) -> torch.Tensor:
     """(p, d) fp32: Σ over the slots s with ``keep[s]`` of ``factor[s] · a_sᵀ b_s``, from ``held``
     and ``sq`` as ``segment_outer_norms`` made them; a slot not kept is never read. A kept slot is
@@ -276,11 +276,16 @@ def segment_outer_clipped_sum(a: torch.Tensor, b: torch.Tensor, unit: torch.Tens
     be the one its clip factor was computed from (a unit with cancelling tokens has a product of
     rounding noise, and another rounding of it could have a larger norm): it is taken again, and
     where it is not ``sq``'s, the product is scaled by √(sq / its squared norm) (by 0 if it is no
-    longer finite), so its contribution never exceeds the clip factor times the norm ``clip`` used."""
+    longer finite), so its contribution never exceeds the clip factor times the norm ``clip`` used.
+    ``a`` and ``b`` may be None where ``held`` has a row for every slot but the padding one (then
+    none is formed again, and a graph need not keep a layer's token rows until its clipped sum)."""
     slots, units = _units(unit, counts)
-    p, d, capacity = a.shape[1], b.shape[1], held.shape[0]
-    out = torch.zeros(p * d, dtype=torch.float32, device=a.device)
+    capacity, p, d = held.shape
+    out = torch.zeros(p * d, dtype=torch.float32, device=held.device)
     kept = min(capacity, len(units))
+    if kept < len(units) and a is None:
+        raise ValueError(f"segment_outer_clipped_sum: {len(units)} units present, {capacity} products held and no "
+                         "token rows to form the others from")
     chosen = keep[slots]
     f = factor[slots].float()
 
@@ -307,7 +312,7 @@ def segment_outer_clipped_sum(a: torch.Tensor, b: torch.Tensor, unit: torch.Tens
 
 @segment_outer_clipped_sum.register_fake
 def _(a, b, unit, counts, held, sq, factor, keep):
-    return a.new_empty(a.shape[1], b.shape[1], dtype=torch.float32)
+    return held.new_empty(held.shape[1], held.shape[2], dtype=torch.float32)
 
 
 @torch.library.custom_op("longshield::unit_sq_norms", mutates_args=())

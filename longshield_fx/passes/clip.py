@@ -79,7 +79,7 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     names = sorted(grads, key=lambda n: _available_at(grads[n], position))
     with graph.inserting_before(output):
         real = b(aten.gt.Scalar, mask, 0)
-        packed = _PackedClip(b, rw, ctx) if rw.packing else None
+        packed = _PackedClip(b, rw, ctx, position) if rw.packing else None
         real_samples = packed.real if packed else real
         grams = {}  # one float64 Gram per ghost-norm operand (q, k and v read the same input)
         sq, token_sizes = {}, {}  # token_sizes: A_b of each ghost layer (see _book_keeping)
@@ -156,15 +156,16 @@ class _PackedClip:
     tokens on another rank), with the padding slot U given none: it is no sample, and no op
     reads its rows."""
 
-    def __init__(self, b, rw: Rewriter, ctx: PassContext):
-        self.b, self.rw, self.packing = b, rw, rw.packing
+    def __init__(self, b, rw: Rewriter, ctx: PassContext, position: dict[fx.Node, int]):
+        self.b, self.rw, self.packing, self.position = b, rw, rw.packing, position
         self.local = ctx.sp_size == 1  # the token rows hold every token of a unit
-        counts = self.packing.counts
-        if not self.local:
-            counts = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, b(aten.clone.default, counts), "sum",
-                                                  ctx.sp_group_name))
-        slots = b(aten.arange.default, self.packing.U + 1, device=val(counts).device)
-        self.counts = b(aten.mul.Tensor, counts, b(aten.lt.Scalar, slots, self.packing.U))
+        if self.local:
+            self.counts = self.packing.unit_counts
+        else:
+            counts = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, b(aten.clone.default, self.packing.counts),
+                                                  "sum", ctx.sp_group_name))
+            slots = b(aten.arange.default, self.packing.U + 1, device=val(counts).device)
+            self.counts = b(aten.mul.Tensor, counts, b(aten.lt.Scalar, slots, self.packing.U))
         self.real = b(aten.gt.Scalar, self.counts, 0)  # (U+1,) bool: the unit slots that hold tokens
         self.row_norms = {}  # float64 ‖x_t‖ per ghost operand (q, k and v read the same input)
         self.held = {}  # per-unit products' name -> what segment_outer_clipped_sum reads back
@@ -180,9 +181,14 @@ class _PackedClip:
             left, right = operands
             N, m, n = val(left).shape[0], val(left).shape[1], val(right).shape[1]
             capacity = products_held(N, self.packing.rows, self.packing.U, m, n)
-            out = b(torch.ops.longshield.segment_outer_norms.default, left, right, self.packing.unit, self.counts,
-                    capacity)
-            sq, held = b(getitem, out, 0), b(getitem, out, 1)
+            # Formed where the weight's gradient was, as soon as both operands are: where every
+            # product is held, the operands are let go there, not kept (with every layer's)
+            # until the clip factors are known (llama3.2-1b, 2 x 32k rows: 98 GiB of them).
+            later = max(left, right, key=self.position.__getitem__)
+            with b.graph.inserting_before(later.next):
+                out = b(torch.ops.longshield.segment_outer_norms.default, left, right, self.packing.unit,
+                        self.counts, capacity)
+                sq, held = b(getitem, out, 0), b(getitem, out, 1)
             self.held[name] = (left, right, held, sq)
             return sq, None
         if g.dense is not None or g.outer:
@@ -198,6 +204,8 @@ class _PackedClip:
                      factor, keep)
         if name in self.held:
             left, right, held, sq = self.held[name]
+            if val(held).shape[0] >= self.packing.U:  # every unit's product is held: the sum reads no token row
+                left = right = None  # so the layer's operands are let go after its norms, as unpacked
             return b(torch.ops.longshield.segment_outer_clipped_sum.default, left, right, self.packing.unit,
                      self.counts, held, sq, _fp32(b, factor), keep)
         if name in self.dense:

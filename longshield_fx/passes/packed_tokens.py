@@ -67,6 +67,17 @@ class Packing:
 
         return self._node("counts", build)
 
+    @property
+    def unit_counts(self) -> fx.Node:
+        """``counts`` with none for the padding slot U: the units' token counts on this rank."""
+        counts = self.counts
+
+        def build():
+            slots = self.call(aten.arange.default, self.U + 1, device=val(counts).device)
+            return self.call(aten.mul.Tensor, counts, self.call(aten.lt.Scalar, slots, self.U))
+
+        return self._node("unit_counts", build)
+
     @staticmethod
     def of(gm: fx.GraphModule, ctx: PassContext, call: GraphBuilder) -> "Packing":
         """The graph's ``Packing``, made by the first pass that asks."""

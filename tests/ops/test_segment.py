@@ -195,6 +195,21 @@ def test_empty_slots_change_no_value():
         assert torch.equal(s, l)
 
 
+def test_the_clipped_sum_of_products_all_held_needs_no_token_rows():
+    """With a product held for every unit, the clipped sum reads no token row (a graph may let
+    them go after the norms); with fewer held and no rows to form the others it refuses by name."""
+    a, b = _rows()
+    unit, counts = _layout("scattered")
+    factor = torch.rand(len(counts), dtype=torch.float32, generator=torch.Generator().manual_seed(7))
+    keep = counts > 0
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, len(counts))
+    want = ops.segment_outer_clipped_sum(a, b, unit, counts, held, sq, factor, keep)
+    assert torch.equal(ops.segment_outer_clipped_sum(None, None, unit, counts, held, sq, factor, keep), want)
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, 3)
+    with pytest.raises(ValueError, match="3 products held and no token rows"):
+        ops.segment_outer_clipped_sum(None, None, unit, counts, held, sq, factor, keep)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("present", [[0, 1, 2, 3], [0, 2, 5]])
 def test_dense_per_unit_rows_are_read_only_for_the_slots_present(present, dtype):
