@@ -160,7 +160,7 @@ _BLOCK = 256
 
 def _sq_norms(x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
     """(k,) float64 upper bounds on the squared Frobenius norms of the k leading rows of ``x``
-    (of its rows ``index``), piece by piece.
+    (of its rows ``index``, gathered piece by piece).
 
     A float64 sum reads at a tenth of fp32's speed on the CPU, and here every element of every
     unit's product is read once. So an fp32 row (bf16 and fp16 rows are made fp32, where their
@@ -277,8 +277,9 @@ def segment_outer_clipped_sum(a: torch.Tensor | None, b: torch.Tensor | None, un
     rounding noise, and another rounding of it could have a larger norm): it is taken again, and
     where it is not ``sq``'s, the product is scaled by √(sq / its squared norm) (by 0 if it is no
     longer finite), so its contribution never exceeds the clip factor times the norm ``clip`` used.
-    ``a`` and ``b`` may be None where ``held`` has a row for every slot but the padding one (then
-    none is formed again, and a graph need not keep a layer's token rows until its clipped sum)."""
+    ``a`` and ``b`` may be None where ``held`` holds a product for every unit present (``clip``:
+    a capacity of U, every slot but the padding one): then none is formed again, and a graph need
+    not keep a layer's token rows until its clipped sum."""
     slots, units = _units(unit, counts)
     capacity, p, d = held.shape
     out = torch.zeros(p * d, dtype=torch.float32, device=held.device)

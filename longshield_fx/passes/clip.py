@@ -79,10 +79,13 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     names = sorted(grads, key=lambda n: _available_at(grads[n], position))
     with graph.inserting_before(output):
         real = b(aten.gt.Scalar, mask, 0)
-        packed = _PackedClip(b, rw, ctx, position) if rw.packing else None
+        packed = _PackedClip(b, rw, ctx) if rw.packing else None
         real_samples = packed.real if packed else real
         grams = {}  # one float64 Gram per ghost-norm operand (q, k and v read the same input)
         sq, token_sizes = {}, {}  # token_sizes: A_b of each ghost layer (see _book_keeping)
+        # Each dense per-sample gradient formed once: its norm and its clipped sum read the same
+        # values (a CUDA index_add of repeated token ids adds in no fixed order, so two would round apart).
+        dense = {}
         for name in names:
             if packed:
                 sq[name], size = packed.sq_norm(name, grads[name])
@@ -91,7 +94,9 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             elif grads[name].only_outer:
                 sq[name], token_sizes[name] = _ghost_sq_norm(b, *grads[name].outer, grams)
             else:
-                sq[name] = _sq_norm(rw, b, grads[name])
+                if grads[name].dense is not None or grads[name].outer:
+                    dense[name] = rw.densify(grads[name])
+                sq[name] = _sq_norm(b, grads[name], dense.get(name), samples=rw.B)
         if ctx.sp_size > 1:
             sq = _all_reduce_shard_norms(b, ctx, sq, per_parameter=cfg.clipping == "per_layer")
         parts = list(sq.values())
@@ -125,7 +130,8 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             sums = {name: packed.clipped_sum(name, grads[name], factors[name], keep) for name in names}
         else:
             sums = {name: _book_keeping(b, *grads[name].outer, factors[name], keep) if grads[name].only_outer
-                    else _weighted_sum(rw, b, grads[name], _fp32(b, factors[name]), keep) for name in names}
+                    else _weighted_sum(rw, b, grads[name], _fp32(b, factors[name]), keep, dense.get(name))
+                    for name in names}
         sums = [sums[name] for name in ctx.captured.param_names]
         # Packed: the loss is per row and not covered by ε either way; its padding tokens add 0.
         loss_sum = b(aten.sum.default, b(aten.where.ScalarOther, real if rw.packing else keep, loss, 0.0))
@@ -156,11 +162,12 @@ class _PackedClip:
     tokens on another rank), with the padding slot U given none: it is no sample, and no op
     reads its rows."""
 
-    def __init__(self, b, rw: Rewriter, ctx: PassContext, position: dict[fx.Node, int]):
-        self.b, self.rw, self.packing, self.position = b, rw, rw.packing, position
+    def __init__(self, b, rw: Rewriter, ctx: PassContext):
+        self.b, self.rw, self.packing = b, rw, rw.packing
         self.local = ctx.sp_size == 1  # the token rows hold every token of a unit
         if self.local:
             self.counts = self.packing.unit_counts
+            self.position = {n: i for i, n in enumerate(b.graph.nodes)}  # where segment_outer_norms may go
         else:
             counts = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, b(aten.clone.default, self.packing.counts),
                                                   "sum", ctx.sp_group_name))
@@ -184,7 +191,7 @@ class _PackedClip:
             # Formed where the weight's gradient was, as soon as both operands are: where every
             # product is held, the operands are let go there, not kept (with every layer's)
             # until the clip factors are known (llama3.2-1b, 2 x 32k rows: 98 GiB of them).
-            later = max(left, right, key=self.position.__getitem__)
+            later = max(left, right, self.counts, key=self.position.__getitem__)
             with b.graph.inserting_before(later.next):
                 out = b(torch.ops.longshield.segment_outer_norms.default, left, right, self.packing.unit,
                         self.counts, capacity)
@@ -309,10 +316,11 @@ def _concat_rows(b, g: PerSampleGrad) -> tuple:
     return tuple(b(aten.cat.default, list(parts), dim) for parts in zip(*g.rows))
 
 
-def _sq_norm(rw: Rewriter, b, g: PerSampleGrad) -> fx.Node:
-    """Per-sample squared norm (B,) in float64 of a gradient held densely or as rows."""
-    if g.dense is not None or g.outer:
-        x = rw.densify(g)
+def _sq_norm(b, g: PerSampleGrad, dense: fx.Node | None, *, samples: int) -> fx.Node:
+    """Per-sample squared norm (B,) in float64 of a gradient held densely (``dense``: its
+    ``densify``) or as rows."""
+    if dense is not None:
+        x = dense
         shape = val(x).shape
         if len(shape) == 1:
             x = b(aten.view.default, x, [shape[0], 1])
@@ -327,7 +335,7 @@ def _sq_norm(rw: Rewriter, b, g: PerSampleGrad) -> fx.Node:
             sq = b(aten.mul.Tensor, n, n)
             total = sq if total is None else b(aten.add.Tensor, total, sq)
         return total
-    return _rows_sq_norm(b, *_concat_rows(b, g), num_rows=g.shape[0], samples=rw.B)
+    return _rows_sq_norm(b, *_concat_rows(b, g), num_rows=g.shape[0], samples=samples)
 
 
 def _gamma(k: int) -> float:
@@ -455,10 +463,12 @@ def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, owner: fx.Node | None = 
                                         device=val(values).device), 0, seg_sample, seg_sq)
 
 
-def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node) -> fx.Node:
-    """sum_b factor[b] * g_b in fp32, with padding rows masked out."""
-    if g.dense is not None or g.outer:
-        dense = rw.densify(g)
+def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node,
+                  dense: fx.Node | None = None) -> fx.Node:
+    """sum_b factor[b] * g_b in fp32, with padding rows masked out; ``dense``: g's ``densify``,
+    the tensor its norm was taken from (formed here if not given)."""
+    if dense is not None or g.dense is not None or g.outer:
+        dense = rw.densify(g) if dense is None else dense
         out = b(aten.einsum.default, "b,b...->...", [factor, _mask_rows(b, keep, _fp32(b, dense))])
         return out
     V, row = g.shape[0], list(g.shape[1:])

@@ -237,7 +237,8 @@ class Rewriter:
         dtype = val(g.rows[0][1]).dtype
         # Rows go straight into the dense part when there is one (a tied head's (B, V, d)): one
         # (B, V, d) buffer fewer live at once than a zeroed one added to it.
-        into = g.dense is not None and val(g.dense).dtype == dtype and val(g.dense).is_contiguous()
+        into = g.dense is not None and val(g.dense).dtype == dtype and val(g.dense).is_contiguous() \
+            and list(val(g.dense).shape) == [B, V, *row]
         flat = self.call(aten.view.default, g.dense, [B * V, *row]) if into else \
             self.call(aten.zeros.default, [B * V, *row], dtype=dtype, device=val(g.rows[0][1]).device)
         offsets = self.call(aten.mul.Tensor, self.call(aten.arange.default, B, device=val(g.rows[0][0]).device), V)

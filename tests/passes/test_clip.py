@@ -12,7 +12,7 @@ from longshield_fx.models.llama import RMSNorm
 import opacus
 from opacus.grad_sample import register_grad_sampler
 
-from oracles import MLP, hf_gpt2, logical, mlp_batch, tiny_llama, vmap_per_sample_grads
+from oracles import MLP, hf_gpt2, logical, mlp_batch, tiny_llama, token_batch, vmap_per_sample_grads
 
 
 def clipped_sum(model, batch, C, clipping="flat", mask=None, engine=None, **config):
@@ -144,6 +144,27 @@ def test_padding_rows_contribute_exactly_zero_even_with_garbage():
         assert torch.isfinite(padded[name]).all()
         torch.testing.assert_close(padded[name], clean[name])
     assert engine.last_norms[2:].eq(0).all()
+
+
+def test_a_dense_per_sample_gradient_is_formed_once_for_its_norm_and_its_sum():
+    """A tied embedding's per-sample gradient (the head's (B, V, d) plus the embedding's rows, an
+    index_add of token ids) is formed once, and both its norm and its clipped sum read it: a CUDA
+    index_add of repeated ids adds in no fixed order, so two formings could round apart, and the
+    sum would then carry a gradient whose norm is not the one its factor was computed from."""
+    model, batch = tiny_llama(tie_embeddings=True), token_batch(B=4)
+    gm = lf.compile(model, config=lf.DPConfig(1.0, 0.0)).lower(*batch).gm
+    formed = [n for n in gm.graph.nodes if n.target is torch.ops.aten.index_add.default
+              and n.meta["val"].dim() == 2 and n.meta["val"].shape[0] % 4 == 0 and n.meta["val"].shape[0] > 4]
+    assert formed
+    for node in formed:
+        seen, todo = set(), [node]
+        while todo:
+            for user in todo.pop().users:
+                if user not in seen:
+                    seen.add(user)
+                    todo.append(user)
+        reads = {u.target for u in seen}
+        assert torch.ops.aten.linalg_vector_norm.default in reads and torch.ops.aten.einsum.default in reads, node.name
 
 
 def test_embedding_norm_from_token_ids_matches_dense():
