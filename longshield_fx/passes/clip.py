@@ -165,14 +165,12 @@ class _PackedClip:
     def __init__(self, b, rw: Rewriter, ctx: PassContext):
         self.b, self.rw, self.packing = b, rw, rw.packing
         self.local = ctx.sp_size == 1  # the token rows hold every token of a unit
+        self.counts = self.packing.unit_counts
         if self.local:
-            self.counts = self.packing.unit_counts
             self.position = {n: i for i, n in enumerate(b.graph.nodes)}  # where segment_outer_norms may go
-        else:
-            counts = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, b(aten.clone.default, self.packing.counts),
-                                                  "sum", ctx.sp_group_name))
-            slots = b(aten.arange.default, self.packing.U + 1, device=val(counts).device)
-            self.counts = b(aten.mul.Tensor, counts, b(aten.lt.Scalar, slots, self.packing.U))
+        else:  # a unit's tokens may lie on other ranks too
+            self.counts = b(c10d.wait_tensor.default, b(c10d.all_reduce.default, b(aten.clone.default, self.counts),
+                                                       "sum", ctx.sp_group_name))
         self.real = b(aten.gt.Scalar, self.counts, 0)  # (U+1,) bool: the unit slots that hold tokens
         self.row_norms = {}  # float64 ‖x_t‖ per ghost operand (q, k and v read the same input)
         self.held = {}  # per-unit products' name -> what segment_outer_clipped_sum reads back
