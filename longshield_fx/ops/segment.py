@@ -462,7 +462,7 @@ def segment_book_keeping(a: torch.Tensor, b: torch.Tensor, unit: torch.Tensor, c
     p, d = a.shape[1], b.shape[1]
     rows = (keep & (counts > 0)).index_select(0, unit).nonzero().flatten()
     row_factor = factor.double().index_select(0, unit.index_select(0, rows))
-    prefix = rows.numel() == 0 or int(rows[-1]) == rows.numel() - 1  # every row up to the last kept one: no gather
+    prefix = rows.numel() == 0 or _is_prefix(rows)  # every row up to the last kept one: no gather
     total = torch.zeros(p, d, dtype=torch.float64, device=a.device)
     step, _ = _pieces(a.shape[0], p + d, a.device)
     for i in range(0, rows.numel(), step):

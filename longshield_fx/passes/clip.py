@@ -130,7 +130,7 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             sums = {name: packed.clipped_sum(name, grads[name], factors[name], keep) for name in names}
         else:
             sums = {name: _book_keeping(b, *grads[name].outer, factors[name], keep) if grads[name].only_outer
-                    else _weighted_sum(rw, b, grads[name], _fp32(b, factors[name]), keep, dense.get(name))
+                    else _weighted_sum(b, grads[name], _fp32(b, factors[name]), keep, dense.get(name))
                     for name in names}
         sums = [sums[name] for name in ctx.captured.param_names]
         # Packed: the loss is per row and not covered by ε either way; its padding tokens add 0.
@@ -215,7 +215,7 @@ class _PackedClip:
                      self.counts, held, sq, _fp32(b, factor), keep)
         if name in self.dense:
             return b(torch.ops.longshield.unit_weighted_sum.default, self.dense[name], _fp32(b, factor), keep)
-        return _weighted_sum(self.rw, b, g, _fp32(b, factor), keep)
+        return _weighted_sum(b, g, _fp32(b, factor), keep, None)  # embedding rows: never densified here
 
     def rounding(self, size: fx.Node, g: PerSampleGrad, threshold_sum: float) -> fx.Node:
         """κ_u·A_u, unit u's share of the book-keeping sum's rounding bound (``_book_keeping``), with
@@ -461,14 +461,11 @@ def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, owner: fx.Node | None = 
                                         device=val(values).device), 0, seg_sample, seg_sq)
 
 
-def _weighted_sum(rw: Rewriter, b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node,
-                  dense: fx.Node | None = None) -> fx.Node:
-    """sum_b factor[b] * g_b in fp32, with padding rows masked out; ``dense``: g's ``densify``,
-    the tensor its norm was taken from (formed here if not given)."""
-    if dense is not None or g.dense is not None or g.outer:
-        dense = rw.densify(g) if dense is None else dense
-        out = b(aten.einsum.default, "b,b...->...", [factor, _mask_rows(b, keep, _fp32(b, dense))])
-        return out
+def _weighted_sum(b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node, dense: fx.Node | None) -> fx.Node:
+    """sum_b factor[b] * g_b in fp32, with padding rows masked out: of ``dense`` (g's
+    ``densify``, the tensor its norm was taken from) where g has one, else of g's rows."""
+    if dense is not None:
+        return b(aten.einsum.default, "b,b...->...", [factor, _mask_rows(b, keep, _fp32(b, dense))])
     V, row = g.shape[0], list(g.shape[1:])
     indices, values, *owner = _concat_rows(b, g)
     if owner:  # packed: each row scaled by its unit's factor, a row of a unit not kept is 0 (even inf/nan)
