@@ -8,7 +8,8 @@ space, so a tail beyond 4T), or ``--data DIR``: every UTF-8 text file under DIR 
 The padded layout is today's ``load_documents`` one: each unit as R = min(max_rows, most rows
 of any unit) rows of T tokens, ``CausalLMLoss``, physical batches of B units (B·R rows). The
 packed layout: ``pack_documents`` into physical batches of the rows and U unit slots the CLI
-picks (``packing.packed_rows``: b·R rows, b = E // 128 in [1, B]; ``packing.unit_slots_for``), or
+picks (``packing.packed_rows``: B·R rows, a logical batch's last batches of half as many, a
+quarter, ...; ``packing.unit_slots_for``), or
 ``--packed-rows`` / ``--slots``, ``PackedCausalLMLoss``, ``compile(..., packed_units=U)``. Both engines run the same logical
 batches (the same Poisson draws over units, q = E[units] / N), flat clipping C = 1, σ = 1, so
 the per-document ε is the same. A step is every physical batch of the logical batch
@@ -43,7 +44,7 @@ from longshield_fx.data import LogicalBatch
 from longshield_fx.losses import document_segments
 from longshield_fx.ops.ring_schedule import pairs_skipped
 from longshield_fx.models.llama import Llama
-from longshield_fx.packing import pack_documents, packed_rows, unit_pieces, unit_slots_for
+from longshield_fx.packing import empty_batch, pack_documents, packed_rows, row_counts, unit_pieces, unit_slots_for
 from longshield_fx.runtime.accounting import PrivacyAccountant
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -119,11 +120,13 @@ def main() -> None:
     R = min(args.max_rows, max(len(unit_pieces(u, T)) for u in units))
     q = min(1.0, args.expected_units / N)
     B = args.units_per_batch
-    rows = args.packed_rows or packed_rows(R, B, q * N)
-    slots = args.slots or unit_slots_for(rows, T)
+    rows = args.packed_rows or packed_rows(R, B)
+    slots = args.slots or unit_slots_for(rows, T, q * N)
     config = lf.DPConfig(max_grad_norm=1.0, noise_multiplier=1.0)
     padded = lf.compile(lf.CausalLMLoss(lm), config=config)
     packed = lf.compile(lf.PackedCausalLMLoss(lm), config=config, packed_units=slots)
+    for r in row_counts(rows):  # every row count's graph captured before the timed steps
+        packed.lower(*empty_batch(r, T, slots).tensors())
     g = torch.Generator().manual_seed(1)
     draws = [(torch.rand(N, generator=g) < q).nonzero().squeeze(1).tolist() for _ in range(args.repeats + 1)]
 
@@ -155,7 +158,7 @@ def main() -> None:
         slots_out["padded"][0] += all_a - sum(int((l != -100).sum()) for (_, l), _ in phys_a)
         slots_out["padded"][1] += all_a
         slots_out["packed"][0] += pad_b
-        slots_out["packed"][1] += len(phys_b) * rows * T
+        slots_out["packed"][1] += sum(t[0].numel() for t in phys_b)
         for ids, labels, positions, units_of in phys_b:
             segments = document_segments(positions, units_of)[1]
             for cp in ring_cps:
@@ -175,7 +178,8 @@ def main() -> None:
         "| layout | physical batch | padding (token slots) | physical batches / step | step s | document tokens / s | × padded |",
         "|---|---|---|---|---|---|---|",
     ]
-    for k, shape in (("padded", f"{B} units × {R} rows × {T}"), ("packed", f"{rows} rows × {T}, {slots} slots")):
+    for k, shape in (("padded", f"{B} units × {R} rows × {T}"),
+                     ("packed", f"{' / '.join(map(str, row_counts(rows)))} rows × {T}, {slots} slots")):
         pad = slots_out[k][0] / slots_out[k][1]
         per = statistics.median(r[1] for r in rows_out[k])
         secs = statistics.median(r[2] for r in rows_out[k])

@@ -54,14 +54,22 @@ class LogicalBatch:
     def share(self, rank: int, replicas: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
         """Replica ``rank``'s physical batches when ``replicas`` data-parallel groups split this
         logical batch: every ``replicas``-th one, padded with fully masked batches so that every
-        group runs the same number. Groups that share collectives inside each physical batch
-        (ZeRO-3 over dp gathers parameters there) would otherwise wait on each other forever
-        when the Poisson draw splits unevenly."""
+        group runs the same number, and the groups' i-th batches have the same number of rows
+        (packed batches come in several: the batches of each row count are padded to a multiple
+        of ``replicas``). Groups that share collectives inside each physical batch (ZeRO-3 over
+        dp gathers parameters there) would otherwise wait on each other forever when the Poisson
+        draw splits unevenly, or run graphs of different shapes side by side."""
         if replicas == 1:
             return list(self.physical)
-        per_group = -(-len(self.physical) // replicas)
         blank = self.blank or (self.physical[0][0], torch.zeros_like(self.physical[0][1]))
-        padded = self.physical + [blank] * (per_group * replicas - len(self.physical))
+        by_rows: dict[int, list] = {}
+        for item in self.physical:
+            by_rows.setdefault(item[0][0].shape[0], []).append(item)
+        padded = []
+        for rows in sorted(by_rows, reverse=True):
+            # a blank's first rows are a blank of fewer rows (padding, or mask 0, in every row)
+            fewer = (tuple(t[:rows] for t in blank[0]), None if blank[1] is None else blank[1][:rows])
+            padded += by_rows[rows] + [fewer] * (-len(by_rows[rows]) % replicas)
         return padded[rank::replicas]
 
 

@@ -2,10 +2,16 @@
 
 A unit (a document, or every document of one person) is held as pieces of at most T tokens:
 each document cut into rows' worth of tokens, its last piece shorter. ``pack_documents``
-places the pieces of many units into fixed-shape physical batches of B rows of T tokens,
-first-fit decreasing, so short documents share rows instead of each padding a row of its own.
-Every unit's pieces go into one physical batch (its gradient is clipped whole there), a piece
-never straddles two rows, and a physical batch holds at most U units: its unit slots.
+places the pieces of many units into physical batches of B rows of T tokens, first-fit
+decreasing, so short documents share rows instead of each padding a row of its own. Every
+unit's pieces go into one physical batch (its gradient is clipped whole there), a piece never
+straddles two rows, and a physical batch holds at most U units: its unit slots.
+
+What is left once B rows would no longer be filled goes into batches of B/2, B/4, ... rows
+(at least 2; ``row_counts``): the largest that the remaining tokens fill, then smaller ones, so
+a logical batch's last batches are not mostly padding. The engine captures each row count once
+(a fixed set of shapes, not one per logical batch size); which ones a logical batch used depends
+on the units drawn and, like how many physical batches it needed, is not released.
 
 A physical batch is four (B, T) tensors, ``PackedBatch.tensors()``: the token ids, the
 labels (-100 on padding), the position of each token within its piece (0 at the piece's first
@@ -79,8 +85,8 @@ def unit_pieces(documents: Sequence[Sequence[int]], seq_len: int) -> list[list[i
 def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, rows: int, unit_slots: int,
                    pad_id: int = 0) -> tuple[list[PackedBatch], PackingStats]:
     """Pack ``units`` (each a list of documents, each a list of token ids) into physical batches
-    of ``rows`` x ``seq_len`` tokens holding at most ``unit_slots`` units each (see the module
-    docstring). Units without a piece of 2 tokens are left out (no slot)."""
+    of at most ``rows`` x ``seq_len`` tokens holding at most ``unit_slots`` units each (see the
+    module docstring). Units without a piece of 2 tokens are left out (no slot)."""
     if seq_len < 2 or rows < 2 or unit_slots < 1:
         raise ValueError(f"pack_documents: need seq_len >= 2, rows >= 2 (the engine runs no packed batch of one row), "
                          f"unit_slots >= 1, got {seq_len}, {rows}, {unit_slots}")
@@ -91,39 +97,66 @@ def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, ro
             dropped += sum(map(len, ps[rows:]))
             truncated += 1
             pieces[i] = ps[:rows]
-    order = sorted((i for i, ps in enumerate(pieces) if ps), key=lambda i: -sum(map(len, pieces[i])))
+    tokens = [sum(map(len, ps)) for ps in pieces]
+    order = sorted((i for i, ps in enumerate(pieces) if ps), key=lambda i: -tokens[i])
+    counts = row_counts(rows)
     batches: list[tuple[list[int], list[list[tuple[int, list[int]]]]]] = []  # (members, rows of (slot, piece))
-    for i in order:
-        for members, rows_of in batches:
-            if len(members) < unit_slots and _place(rows_of, len(members), pieces[i], seq_len):
-                members.append(i)
+    left, left_tokens = order, sum(tokens[i] for i in order)
+    while left:
+        need = -(-left_tokens // seq_len)  # rows the units left fill at the least
+        size = max((c for c in counts if c <= need), default=counts[-1])
+        for size in sorted(c for c in counts if c >= size):  # larger only when no unit left fits
+            members, rows_of, rest = _fill(left, pieces, tokens, size, seq_len, unit_slots)
+            if members:
                 break
-        else:
-            rows_of: list[list[tuple[int, list[int]]]] = [[] for _ in range(rows)]
-            if not _place(rows_of, 0, pieces[i], seq_len):
-                raise AssertionError("a unit of at most `rows` pieces fits an empty batch")
-            batches.append(([i], rows_of))
+        batches.append((members, rows_of))
+        left, left_tokens = rest, left_tokens - sum(tokens[i] for i in members)
     out = [_tensors(members, rows_of, seq_len, unit_slots, pad_id) for members, rows_of in batches]
-    placed = sum(len(p) for members, _ in batches for i in members for p in pieces[i])
-    slots = len(batches) * rows * seq_len
+    placed = sum(tokens[i] for i in order)
+    slots = sum(len(rows_of) for _, rows_of in batches) * seq_len
     used_rows = sum(1 for _, rows_of in batches for r in rows_of if r)
     stats = PackingStats(len(batches), slots, slots - placed, len(order), used_rows,
                          sum(len(pieces[i]) for i in order), dropped, truncated)
     return out, stats
 
 
-def packed_rows(rows_per_unit: int, units_per_batch: int, expected_units: float) -> int:
-    """The CLI's rows per packed physical batch: ``rows_per_unit`` (R) times b = E // 128, at
-    least 1 and at most ``units_per_batch`` (B, the memory of B padded units), and at least 2.
+def row_counts(rows: int) -> list[int]:
+    """The row counts of ``pack_documents``'s physical batches: ``rows``, then halved while at
+    least 2 (16 -> [16, 8, 4, 2]): one graph capture each at most."""
+    counts = [rows]
+    while counts[-1] // 2 >= 2:
+        counts.append(counts[-1] // 2)
+    return counts
 
-    Two kinds of padding pull b opposite ways: a logical batch's last physical batch is half
-    empty on average (b·R/2 rows of the E·R̄ drawn, R̄ a unit's mean rows), and a unit never
-    straddles two physical batches, so batches of few units' rows leave holes. b grows with E
-    only once the first is small. Measured padding: under 5% at E = 64 with R̄ up to R/3 and at
-    E = 256 with R̄ from R/6 to R (``tests/test_packing.py``); 3–7% at E = 64 with R̄ = R/2 (five draws).
-    Read from public parameters only (R, B, E), never from the units drawn."""
-    b = min(max(1, int(expected_units // 128)), units_per_batch)
-    return max(2, rows_per_unit * b)  # one row would run as two: refused
+
+def _fill(left: list[int], pieces: list, tokens: list[int], size: int, seq_len: int, unit_slots: int):
+    """(members, rows, rest): first fit of the units ``left`` (longest first) into one batch of
+    ``size`` rows, at most ``unit_slots`` of them; ``rest`` the units that did not go in."""
+    rows_of: list[list[tuple[int, list[int]]]] = [[] for _ in range(size)]
+    free = size * seq_len
+    members, rest = [], []
+    for k, i in enumerate(left):
+        if len(members) == unit_slots or free < tokens[left[-1]]:  # full: no unit left fits
+            rest += left[k:]
+            break
+        if tokens[i] <= free and _place(rows_of, len(members), pieces[i], seq_len):
+            members.append(i)
+            free -= tokens[i]
+        else:
+            rest.append(i)
+    return members, rows_of, rest
+
+
+def packed_rows(rows_per_unit: int, units_per_batch: int) -> int:
+    """The CLI's rows per packed physical batch: ``rows_per_unit`` (R) times ``units_per_batch``
+    (B), the memory of B padded units, at least 2.
+
+    A logical batch's last rows go into batches of half as many rows, a quarter, ...
+    (``row_counts``), so full-size batches cost no padding at the end of a logical batch, and
+    fewer, larger batches cost less per token than many small ones (each runs the whole graph).
+    Measured padding: under 5% at E = 64 with R̄ up to R/3 and at E = 256 with R̄ from R/6 to R
+    (``tests/test_packing.py``). Read from public parameters only, never from the units drawn."""
+    return max(2, rows_per_unit * units_per_batch)  # one row would run as two: refused
 
 
 def unit_slots_per_row(seq_len: int) -> int:
@@ -141,10 +174,15 @@ def unit_slots_per_row(seq_len: int) -> int:
     return min(16, max(4, 4096 // seq_len))
 
 
-def unit_slots_for(rows: int, seq_len: int) -> int:
+def unit_slots_for(rows: int, seq_len: int, expected_units: float | None = None) -> int:
     """The CLI's unit slots for physical batches of ``rows`` rows of ``seq_len`` tokens
-    (``unit_slots_per_row``)."""
-    return rows * unit_slots_per_row(seq_len)
+    (``unit_slots_per_row``), and at most 2·E + 8 where the expected units per logical batch E
+    is given: a physical batch holds no more units than its logical batch, which draws more
+    than 2·E + 8 of them with a probability below 1e-5 (Poisson), and then only starts another
+    batch. Fewer slots hold less: the dense per-unit gradients (norm weights, a tied LM head)
+    keep one row per slot."""
+    slots = rows * unit_slots_per_row(seq_len)
+    return slots if expected_units is None else max(1, min(slots, int(2 * expected_units) + 8))
 
 
 def empty_batch(rows: int, seq_len: int, unit_slots: int, pad_id: int = 0) -> PackedBatch:
@@ -193,8 +231,9 @@ class PackedPoissonBatches(PoissonBatches):
     draw, its secret stream, ``steps``, ``state_dict`` and ``insecure_seed`` are
     ``PoissonBatches``'s), so q and the expected batch size count units, whatever their
     lengths. The sampled units are then packed (``pack_documents``): how many physical batches
-    a logical batch needs depends on the units drawn and is not released; a logical batch
-    that drew no unit is one physical batch of padding, run and noised like any other. Each
+    a logical batch needs, and of how many rows each, depends on the units drawn and is not
+    released; a logical batch that drew no unit is one physical batch of padding (of the fewest
+    rows), run and noised like any other. Each
     physical batch is ``(PackedBatch.tensors(), None)``: no mask, the unit slots say who is in it.
 
     ``units``: a list of units, each a list of documents (lists of token ids). A unit with no
@@ -223,8 +262,8 @@ class PackedPoissonBatches(PoissonBatches):
                                    rows=self.physical_batch_size, unit_slots=self.unit_slots, pad_id=self.pad_id)
         for pb in packed:  # members index the caller's units
             pb.members = [int(indices[m]) for m in pb.members]
-        if not packed:
-            packed = [empty_batch(self.physical_batch_size, self.seq_len, self.unit_slots, self.pad_id)]
+        if not packed:  # as few rows as a packed batch has
+            packed = [empty_batch(row_counts(self.physical_batch_size)[-1], self.seq_len, self.unit_slots, self.pad_id)]
         return [(pb.tensors(), None) for pb in packed]
 
     def _blank(self) -> tuple:

@@ -394,9 +394,9 @@ def test_a_unit_column_makes_each_persons_rows_one_unit_as_the_engine_loop_does(
 
 
 def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, tmp_path):
-    """``pack_seq_len``: rows are documents of any length, packed into 4 x 32 physical batches,
-    each document one unit; the trainer's model equals the engine's loop over
-    ``PackedPoissonBatches`` of the same documents, bit for bit."""
+    """``pack_seq_len``: rows are documents of any length, packed into 4 x 32 physical batches (a
+    logical batch's last may be 2 x 32), each document one unit; the trainer's model equals the
+    engine's loop over ``PackedPoissonBatches`` of the same documents, bit for bit."""
     gen = torch.Generator().manual_seed(2)
     docs = [torch.randint(3, 300, (int(n),), generator=gen).tolist()
             for n in torch.randint(4, 60, (24,), generator=gen)]
@@ -408,12 +408,13 @@ def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, 
                         privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=8, pack_seq_len=32,
                                                  insecure_seed=SEED))
     trainer.train()
-    assert trainer.engine.captures == 1 and trainer.privacy_record()["privacy_arguments"]["pack_seq_len"] == 32
+    # two graphs: of 4-row batches, and of the 2-row ones that end a logical batch
+    assert trainer.engine.captures == 2 and trainer.privacy_record()["privacy_arguments"]["pack_seq_len"] == 32
 
     from longshield_fx.packing import PackedPoissonBatches, unit_slots_for
 
     lm = transformers.AutoModelForCausalLM.from_pretrained(folders[1]).train()
-    U = unit_slots_for(4, 32)  # the Trainer's: 16 per row at T = 32
+    U = unit_slots_for(4, 32, 8)  # the Trainer's: 16 per row at T = 32, at most 2·E + 8 = 24
     sampler = PackedPoissonBatches([[d] for d in docs], 8 / len(docs), seq_len=32, rows=4, unit_slots=U,
                                    pad_id=trainer.model.config.pad_token_id, insecure_seed=SEED)
     engine = lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, insecure_seed=SEED), packed_units=U)

@@ -35,17 +35,18 @@ def compile_run(job: Job, dataset=None) -> None:
 
 
 def _compile_packed(job: Job, config, checkpoint) -> None:
-    """Packed documents: physical batches of at most B·R rows (the memory of B padded units,
-    fewer while E is small: ``packing.packed_rows``) holding up to ``packing.unit_slots_per_row(T)``
-    units per row, Poisson sampling over units (``packing.PackedPoissonBatches``)."""
+    """Packed documents: physical batches of B·R rows (the memory of B padded units:
+    ``packing.packed_rows``), a logical batch's last ones of half as many, a quarter, ...;
+    holding up to ``packing.unit_slots_per_row(T)`` units per row and at most 2·E + 8
+    (``packing.unit_slots_for``); Poisson sampling over units (``packing.PackedPoissonBatches``)."""
     import longshield_fx as lf
 
     from ..errors import UnsupportedModelError
     from ..packing import PackedPoissonBatches, empty_batch, packed_rows, unit_slots_for
 
     args = job.args
-    rows = packed_rows(job.corpus.rows_per_unit, args.physical_batch_size, job.q * job.corpus.num_units)
-    job.unit_slots = unit_slots_for(rows, args.seq_len)
+    rows = packed_rows(job.corpus.rows_per_unit, args.physical_batch_size)
+    job.unit_slots = unit_slots_for(rows, args.seq_len, job.q * job.corpus.num_units)
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
                             fsdp=job.fsdp, packed_units=job.unit_slots)
     try:

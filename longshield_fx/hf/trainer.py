@@ -131,7 +131,7 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         if p.pack_seq_len:
             units = self._units or [[i] for i in range(N)]
             self._sampler = PackedPoissonBatches([[self._document(i) for i in unit] for unit in units], q,
-                                                 seq_len=p.pack_seq_len, rows=rows, unit_slots=unit_slots_for(rows, p.pack_seq_len),
+                                                 seq_len=p.pack_seq_len, rows=rows, unit_slots=unit_slots_for(rows, p.pack_seq_len, q * N),
                                                  pad_id=self._pad_id, insecure_seed=p.insecure_seed)
             # Statistics of the private data (not covered by DP): kept here, said once by the main process.
             self.truncated_units = self._sampler.truncated_units

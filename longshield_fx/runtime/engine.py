@@ -60,6 +60,9 @@ class Engine(CheckpointState):
 
     Capture happens at the first call, with that batch's shapes; every later physical
     batch must have the same shapes (pad with a mask: ``longshield_fx.data.PoissonBatches``).
+    Packed batches (``packed_units``) may differ in their number of rows, each row count
+    captured once: ``packing.pack_documents`` ends a logical batch in batches of a half, a
+    quarter, ... of its rows, so that its last batch is not mostly padding.
     A capture is traced once per model structure per process: another engine of the model, or
     of a rebuilt one alike, takes the trace (``runtime.traces``; ``traces`` counts its own).
 
@@ -79,7 +82,7 @@ class Engine(CheckpointState):
     Not covered: Python state read by code dynamo does not trace (the body of a custom op).
     Tensor values need no guard: parameters, buffers and the batch are graph inputs, read
     at every run. A change between ``accumulate`` and ``finalize`` of one logical batch is
-    refused (a step never mixes two graphs): make it between steps. Evaluating with
+    refused (a step never mixes two states of the model): make it between steps. Evaluating with
     ``model.eval()`` and going back to ``model.train()`` before the next step recaptures nothing.
     """
 
@@ -88,7 +91,7 @@ class Engine(CheckpointState):
                  packed_units: int = 0, inductor: bool = False):
         self.model = model
         self.inductor = inductor
-        self._compiled: dict[str, tuple] = {}  # graph -> (its lowering, that lowering through inductor)
+        self._compiled: dict[tuple, tuple] = {}  # key -> (its lowering, that lowering through inductor)
         self.packed_units = packed_units
         self.checkpoint = checkpoint
         self.config = config
@@ -117,12 +120,14 @@ class Engine(CheckpointState):
             self.sharding.shard_model(model)
         self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
         self.traces = 0  # of those, the ones traced here, not taken from another engine (runtime.traces)
-        self._pristine = None  # (model fingerprint, an unrewritten copy of the last capture)
+        self._pristine = None  # (model fingerprint, its rows, an unrewritten copy of the last capture)
         self.nonfinite_samples = 0  # real samples whose gradient was inf/nan (contributed 0)
-        self._lowered: dict[str, Lowered] = {}
-        # graph -> (model fingerprint, dynamo's guards) at its capture: see "Capture guards".
-        self._captured_from: dict[str, tuple] = {}
-        self._graph_captures: dict[str, int] = {}
+        # Keyed by (graph, rows): one lowering per graph and row count of the batches it ran.
+        self._lowered: dict[tuple[str, int], Lowered] = {}
+        # key -> (model fingerprint, dynamo's guards) at its capture: see "Capture guards".
+        self._captured_from: dict[tuple[str, int], tuple] = {}
+        self._graph_captures: dict[tuple[str, int], int] = {}
+        self._step_state = None  # the model's fingerprint at this logical batch's first accumulate
         self._shapes = None
         # A batch of one runs as two rows, the second a masked copy of the first, when the graph
         # of one sample is refused and that of two is not (``lower``).
@@ -155,10 +160,11 @@ class Engine(CheckpointState):
             raise ValueError("engine: training needs a DP config: longshield_fx.compile(model, config=DPConfig(...))")
         self._check_shapes(example_batch)
         batch = self._padded(example_batch)
-        lowered = self._cached(graph, self.parallel.shard(batch))
+        key = (graph, batch[0].shape[0])
+        lowered = self._cached(key, self.parallel.shard(batch))
         if lowered is None:
             try:
-                lowered = self._lower(graph, batch)
+                lowered = self._lower(key, batch)
             except UnsupportedModelError:
                 # At a batch of one a size-1 dim can hold the batch as well as the one the rules
                 # guessed ((T, 1, H) -> (T*1, H) or (T, 1*H)): the two-sample graph decides, its
@@ -166,14 +172,20 @@ class Engine(CheckpointState):
                 if batch[0].shape[0] != 1:
                     raise
                 self._pad_one = True
+                key = (graph, 2)
                 try:
-                    lowered = self._lower(graph, self._padded(example_batch))
+                    lowered = self._lower(key, self._padded(example_batch))
                 except UnsupportedModelError:
                     self._pad_one = False
                     raise
             if graph == "train" and self.packed_units:
                 self._check_units_apart(lowered, self._padded(example_batch))
-            self._lowered[graph] = lowered
+            self._lowered[key] = lowered
+            if sum(k[0] == graph for k in self._lowered) == _RECAPTURE_WARNING:
+                warnings.warn(
+                    f"engine: {_RECAPTURE_WARNING} row counts of packed batches so far, each a capture of the {graph} "
+                    "graph; longshield_fx.packing.pack_documents makes batches of rows, rows/2, rows/4, ... only",
+                    RuntimeWarning, stacklevel=2)
         return lowered
 
     def _check_units_apart(self, lowered: Lowered, batch: tuple) -> None:
@@ -193,15 +205,15 @@ class Engine(CheckpointState):
             _, norms, *_ = lowered.gm(*args)
         return norms.double()
 
-    def _runner(self, graph: str, lowered: Lowered):
+    def _runner(self, key: tuple[str, int], lowered: Lowered):
         """What runs ``lowered``: its graph module, or (``compile(..., inductor=True)``) that
         module through inductor, compiled once per lowering."""
         if not self.inductor:
             return lowered.gm
-        if self._compiled.get(graph, (None,))[0] is not lowered:
+        if self._compiled.get(key, (None,))[0] is not lowered:
             lowered.gm.code  # reading it makes a lazily recompiled module real: dynamo skips the lazy forward
-            self._compiled[graph] = (lowered, torch.compile(lowered.gm, fullgraph=True, dynamic=False))
-        return self._compiled[graph][1]
+            self._compiled[key] = (lowered, torch.compile(lowered.gm, fullgraph=True, dynamic=False))
+        return self._compiled[key][1]
 
     def _padded(self, batch: tuple, mask: torch.Tensor | None = None):
         """``batch`` (and ``mask``) as the graph runs them: a batch of one as two rows, the second a
@@ -211,33 +223,47 @@ class Engine(CheckpointState):
             mask = None if mask is None else torch.cat([mask, torch.zeros_like(mask)])
         return batch if mask is None else (batch, mask)
 
-    def _cached(self, graph: str, sharded_batch) -> Lowered | None:
-        """``graph``'s lowering if the model is still what it was captured from, else None
-        (dropped: the caller recaptures). A change inside a logical batch is refused."""
-        lowered = self._lowered.get(graph)
+    def _cached(self, key: tuple[str, int], sharded_batch) -> Lowered | None:
+        """The lowering of ``key`` (graph, rows) if the model is still what it was captured from,
+        else None (dropped: the caller recaptures). A change inside a logical batch is refused."""
+        graph = key[0]
+        lowered = self._lowered.get(key)
+        within_step = graph == "train" and self._accum is not None
         if lowered is None:
+            if within_step and fingerprint(self.model) != self._step_state:
+                self._refuse_change("a new row count's capture would trace the changed model")
             return None
-        change = self._change(graph, sharded_batch)
+        change = self._change(key, sharded_batch)
         if change is None:
             return lowered
-        if graph == "train" and self._accum is not None:
-            raise ValueError(
-                f"engine: the model changed since this logical batch's first accumulate ({change}); "
-                "its physical batches must all run the same graph. Make such changes between steps (after "
-                "engine.finalize), or undo the change to finish this logical batch")
-        log.info("engine: recapturing the %s graph: %s", graph, change)
-        n = self._graph_captures[graph]
+        if within_step:
+            # A lowering of other rows may be stale from before this step (the model changed
+            # between steps, then this step ran other rows first): recaptured, as at a step's
+            # first batch. A change since this step's first accumulate, or one the fingerprint
+            # does not see (a guard), is refused.
+            now = fingerprint(self.model)
+            if now != self._step_state or self._captured_from[key][0] == now:
+                self._refuse_change(change)
+        log.info("engine: recapturing the %s graph of %d rows: %s", graph, key[1], change)
+        n = self._graph_captures[key]
         if n + 1 == _RECAPTURE_WARNING:
             warnings.warn(
                 f"engine: the model changed again ({change}); this is capture {n + 1} of the {graph} graph, and "
                 "each one traces the model anew. A Python attribute that changes every step (a schedule, a "
                 "counter) belongs in a tensor buffer, which the graph reads as an input", RuntimeWarning, stacklevel=3)
-        del self._lowered[graph]
+        del self._lowered[key]
         return None
 
-    def _change(self, graph: str, sharded_batch) -> str | None:
-        """What changed, in words, since ``graph`` was captured; None if nothing did."""
-        state, guards = self._captured_from[graph]
+    @staticmethod
+    def _refuse_change(change: str):
+        raise ValueError(
+            f"engine: the model changed since this logical batch's first accumulate ({change}); "
+            "its physical batches must all run the same model. Make such changes between steps (after "
+            "engine.finalize), or undo the change to finish this logical batch")
+
+    def _change(self, key: tuple[str, int], sharded_batch) -> str | None:
+        """What changed, in words, since ``key``'s graph was captured; None if nothing did."""
+        state, guards = self._captured_from[key]
         now = fingerprint(self.model)
         if now != state:
             return describe_change(state, now)
@@ -255,7 +281,7 @@ class Engine(CheckpointState):
             return guards.failure(module, sharded_batch)
 
     @_fewer_gc_passes()
-    def _lower(self, graph: str, batch) -> Lowered:
+    def _lower(self, key: tuple[str, int], batch) -> Lowered:
         dtype = self._dtype()
         state = fingerprint(self.model)  # before capture: what the graph is traced from
         model = self.parallel.capture_module(self.model)
@@ -263,13 +289,13 @@ class Engine(CheckpointState):
             check_no_forward_holds_a_module(model)
             model = copy.deepcopy(model).to(dtype)  # capture only; the live model keeps its dtype
         batch = self.parallel.shard(batch)
-        captured = self._shared_capture(state, batch)
+        captured = self._shared_capture(state, key[1], batch)
         if captured is None:
             first = next(model.parameters())
             traced = (type(model), dtype or first.dtype, self.sharding is not None, type(first),
                       tuple((tuple(t.shape), t.dtype, t.device) for t in batch))
-            key = trace_key(self.model, state, traced)
-            captured = shared_trace(key, self.model, lambda guards: self._guard_failure(guards, batch))
+            traced_key = trace_key(self.model, state, traced)
+            captured = shared_trace(traced_key, self.model, lambda guards: self._guard_failure(guards, batch))
             if captured is None:
                 # the joint graph needs autograd, whatever mode the caller is in; a sharded model
                 # is traced with full-shape fake parameters (in the compute dtype) in its shards' place
@@ -277,11 +303,11 @@ class Engine(CheckpointState):
                 with torch.enable_grad(), full:
                     captured, caught = trace(capture, model, batch)
                 self.traces += 1
-                keep_trace(key, self.model, captured, caught)
+                keep_trace(traced_key, self.model, captured, caught)
             self.captures += 1
-            self._pristine = (state, captured.copy())  # the other graph starts from this capture
-        self._graph_captures[graph] = self._graph_captures.get(graph, 0) + 1
-        self._captured_from[graph] = (state, captured.gm.meta.get(GUARDS))
+            self._pristine = (state, key[1], captured.copy())  # the other graph starts from this capture
+        self._graph_captures[key] = self._graph_captures.get(key, 0) + 1
+        self._captured_from[key] = (state, captured.gm.meta.get(GUARDS))
         B = batch[0].shape[0]
         loss_val = val(captured.gm.graph.output_node().args[0][0])
         if loss_val is None or tuple(loss_val.shape) != (B,):
@@ -295,7 +321,7 @@ class Engine(CheckpointState):
                           cp_inner=par.inner_ring, hp_size=par.hp, hp_group_name=par.hp_group_name,
                           checkpoint=self.checkpoint, packed_units=self.packed_units, **self._fsdp_context())
         # Passes first: a pass names a mixing op (batch norm) better than the mutation does.
-        lowered = lower(ctx, self.pipelines[graph])
+        lowered = lower(ctx, self.pipelines[key[0]])
         if captured.mutations:
             raise UnsupportedModelError(
                 f"the forward mutates model state ({', '.join(captured.mutations)}); the compiled step "
@@ -315,19 +341,20 @@ class Engine(CheckpointState):
         local = self.sharding.local if self.sharding is not None else None
         return captured.gather_args(self.model, sharded_batch, cotangent, dtype=self._dtype(), local=local)
 
-    def _shared_capture(self, state, sharded_batch):
-        """A copy of the last capture when the model is still what it was traced from: both
-        graphs ("train", "per_sample") rewrite the same joint graph, so one trace serves both."""
-        if self._pristine is None or self._pristine[0] != state:
+    def _shared_capture(self, state, rows: int, sharded_batch):
+        """A copy of the last capture when the model is still what it was traced from and the
+        rows are its rows: both graphs ("train", "per_sample") rewrite the same joint graph, so
+        one trace serves both."""
+        if self._pristine is None or self._pristine[:2] != (state, rows):
             return None
-        captured = self._pristine[1]
+        captured = self._pristine[2]
         guards = captured.gm.meta.get(GUARDS)
         if guards is not None and self._guard_failure(guards, sharded_batch) is not None:
             return None
         return captured.copy()
 
     def _check_shapes(self, batch):
-        self._shapes = fixed_batch_shapes(batch, self.parallel, self._shapes)
+        self._shapes = fixed_batch_shapes(batch, self.parallel, self._shapes, rows_may_vary=bool(self.packed_units))
 
     def _check_units(self, units: torch.Tensor) -> int:
         """The samples of a packed physical batch (``engine_checks.held_unit_slots``)."""
@@ -362,13 +389,16 @@ class Engine(CheckpointState):
             raise ValueError("engine.accumulate: mask must hold only 0 (padding) and 1 (real sample)")
         run, run_mask = self._padded(batch, mask)
         sharded = self.parallel.shard(run)
-        lowered = self._cached("train", sharded)
+        lowered = self._cached(("train", run[0].shape[0]), sharded)
         if lowered is None:  # shapes checked above; a batch of one may turn out to run as two rows
             lowered = self.lower(*batch)
             run, run_mask = self._padded(batch, mask)
             sharded = self.parallel.shard(run)
         batch, mask = run, run_mask
-        captured, gm = lowered.captured, self._runner("train", lowered)
+        key = ("train", batch[0].shape[0])
+        if self._accum is None:
+            self._step_state = self._captured_from[key][0]
+        captured, gm = lowered.captured, self._runner(key, lowered)
         loss_val = val(captured.cotangent_placeholder())
         cotangent = mask.to(device=batch[0].device, dtype=loss_val.dtype)
         args = self._args(captured, sharded, cotangent)
@@ -414,7 +444,7 @@ class Engine(CheckpointState):
         if self.sharding is not None:  # the accumulator holds this rank's (padded) shards
             sums = self._accum
         else:
-            shard_dims = self._lowered["train"].shard_dims
+            shard_dims = self._train_lowering().shard_dims
             with self.parallel.collective_errors():
                 sums = {name: self.parallel.full_clipped_sum(total, shard_dims[name]).contiguous()
                         for name, total in self._accum.items()}
@@ -475,10 +505,16 @@ class Engine(CheckpointState):
         backward). The input-stationary per-sample gradient collectives do not depend on
         T; ring attention's and the output-stationary all-gathers do.
         """
-        if "train" not in self._lowered:
+        lowered = self._train_lowering()
+        if lowered is None:
             raise RuntimeError("engine.communication_bytes: call engine.lower(*batch) or accumulate once first "
                                "(capture is lazy)")
-        return self.parallel.communication_bytes(self._lowered["train"].gm, self._group_ranks())
+        return self.parallel.communication_bytes(lowered.gm, self._group_ranks())
+
+    def _train_lowering(self) -> Lowered | None:
+        """The train graph's lowering of the most rows (packed batches may have several), or None."""
+        keys = [k for k in self._lowered if k[0] == "train"]
+        return self._lowered[max(keys, key=lambda k: k[1])] if keys else None
 
     def _group_ranks(self) -> dict[str, int]:
         """This rank's index in the groups ``Parallel`` does not hold (the fsdp group)."""
@@ -489,10 +525,13 @@ class Engine(CheckpointState):
         lines = [f"Engine(config={self.config!r}, captures={self.captures}, {self.parallel}{sharding})"]
         for graph, passes in self.pipelines.items():
             lines.append(f" {graph} pipeline: " + " -> ".join(p.__name__ for p in passes))
-            lowered = self._lowered.get(graph)
-            if lowered is None:
+            keys = sorted(k for k in self._lowered if k[0] == graph)
+            if not keys:
                 lines.append("  not lowered yet (capture happens at the first call, or engine.lower(*batch))")
-                continue
-            lines.append(format_log(lowered.log))
-            lines.append("  per-sample rules: " + ", ".join(f"{n}={r}" for n, r in lowered.rules.items()))
+            for key in keys:
+                lowered = self._lowered[key]
+                if len(keys) > 1:
+                    lines.append(f"  batches of {key[1]} rows:")
+                lines.append(format_log(lowered.log))
+                lines.append("  per-sample rules: " + ", ".join(f"{n}={r}" for n, r in lowered.rules.items()))
         return "\n".join(lines)

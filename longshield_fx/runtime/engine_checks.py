@@ -108,9 +108,10 @@ def _two_unit_probes(batch: tuple) -> tuple[tuple, tuple, tuple] | None:
     return ((*batch[:-1], units), *probes)
 
 
-def fixed_batch_shapes(batch: tuple, parallel, fixed: list | None) -> list:
+def fixed_batch_shapes(batch: tuple, parallel, fixed: list | None, rows_may_vary: bool = False) -> list:
     """The (shape, dtype) of each batch tensor, checked: tensors with the batch as dimension 0 that
-    ``parallel`` can shard, shaped as ``fixed`` (the batches run before; None: no batch yet)."""
+    ``parallel`` can shard, shaped as ``fixed`` (the batches run before; None: no batch yet), but for
+    dimension 0 where ``rows_may_vary`` (packed batches: each row count is a graph of its own)."""
     if not batch or not all(isinstance(t, torch.Tensor) for t in batch):
         raise TypeError("engine: pass the batch as tensors, e.g. engine.accumulate(input_ids, labels)")
     shapes = [(tuple(t.shape), t.dtype) for t in batch]
@@ -118,12 +119,19 @@ def fixed_batch_shapes(batch: tuple, parallel, fixed: list | None) -> list:
     if B is None or any(t.dim() == 0 or t.shape[0] != B for t in batch):
         raise ValueError(f"engine: every batch tensor needs the batch as dimension 0, got shapes {[s for s, _ in shapes]}")
     parallel.check_batch(batch)
-    if fixed is not None and shapes != fixed:
+    if fixed is None:
+        return shapes
+    if rows_may_vary:
+        if [(s[1:], d) for s, d in shapes] != [(s[1:], d) for s, d in fixed]:
+            raise ValueError(
+                f"engine: packed batch shapes changed from {fixed} to {shapes}; only the number of rows may "
+                "differ between packed batches (longshield_fx.packing.pack_documents makes them so)")
+    elif shapes != fixed:
         raise ValueError(
             f"engine: physical batch shapes changed from {fixed} to {shapes}; the compiled "
             "graph has fixed shapes. Pad to a fixed physical batch and pass mask= "
             "(longshield_fx.data.PoissonBatches does this)")
-    return shapes if fixed is None else fixed
+    return fixed
 
 
 def held_unit_slots(units: torch.Tensor, packed_units: int) -> int:

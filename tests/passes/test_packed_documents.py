@@ -531,3 +531,57 @@ def test_a_batch_that_drew_no_unit_runs_and_adds_nothing(setup, ghost):
     assert float(loss) == 0 and bool((engine.last_norms == 0).all())
     assert all(bool((s == 0).all()) for s in engine._accum.values())
     engine._accum = None
+
+
+def test_a_logical_batch_ending_in_batches_of_fewer_rows_clips_each_unit_as_alone(setup):
+    """``pack_documents`` ends a logical batch in batches of half as many rows: 11 units in
+    batches of 4, 4 and 2 rows. The engine captures each row count's graph once, and the
+    clipped sum over all three batches equals the units alone, each clipped."""
+    lm, engine = setup
+    engine = lf.compile(lf.PackedCausalLMLoss(lm), config=engine.config, packed_units=U)
+    units = _units(seed=1) + _units(seed=2)[:3]
+    batches, _ = pack_documents(units, seq_len=T, rows=ROWS, unit_slots=U)
+    assert [pb.units.shape[0] for pb in batches] == [ROWS, ROWS, ROWS // 2]
+    expected = None
+    for unit in units:
+        g = _alone(lm, unit)
+        norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in g.values()))
+        factor = min(1.0, C / (norm + 1e-6))
+        expected = {n: v * factor + (expected[n] if expected else 0) for n, v in g.items()}
+    for step in range(2):
+        lm.zero_grad()
+        for pb in batches:
+            engine.accumulate(*pb.tensors())
+        engine.finalize(LogicalBatch(len(units), torch.arange(len(units)), [], 1.0, 1.0))
+        _close({f"lm.{n}": p.grad for n, p in lm.named_parameters()}, expected)
+        assert engine.captures == 2  # the 4-row graph and the 2-row one, at the first step
+
+
+def test_a_model_change_inside_a_logical_batch_is_refused_whatever_rows_its_batches_have(setup):
+    """A step runs one state of the model, in every row count's graph: a change after its first
+    accumulate is refused at a batch of other rows, captured before or not yet. A change between
+    steps recaptures each row count's graph as its batches come, stale ones included."""
+    lm, engine = setup
+    units = _units(seed=1) + _units(seed=2)[:3]
+    four, _, two = pack_documents(units, seq_len=T, rows=ROWS, unit_slots=U)[0]
+    (eight,), _ = pack_documents(_units(seed=1), seq_len=T, rows=2 * ROWS, unit_slots=U)
+    for other in (two, eight):  # a row count captured before (here), one never run
+        engine.accumulate(*two.tensors())
+        engine._accum, engine._accumulated = None, 0
+        engine.accumulate(*four.tensors())
+        lm.eval()
+        try:
+            with pytest.raises(ValueError, match="changed since this logical batch's first accumulate"):
+                engine.accumulate(*other.tensors())
+        finally:
+            lm.train()
+            engine._accum, engine._accumulated = None, 0
+    lm.note = 1  # between steps: every graph is now stale
+    try:
+        captures = engine.captures
+        engine.accumulate(*two.tensors())
+        engine.accumulate(*four.tensors())  # stale since before this step: recaptured, not refused
+        assert engine.captures == captures + 2
+    finally:
+        del lm.note
+        engine._accum, engine._accumulated = None, 0
