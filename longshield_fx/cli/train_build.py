@@ -118,9 +118,16 @@ def announce(job: Job) -> None:
             f"{corpus.truncated} truncated to {T} bytes, {corpus.fraction_used:.1%} of the corpus bytes used"
             + (f", {corpus.skipped} file{'s' * (corpus.skipped != 1)} under 2 bytes left out" if corpus.skipped else "")
             + " (these counts are NOT covered by DP)")
-    physical = (f"packed into physical batches of {job.batches.physical_batch_size} rows x {T} holding up to "
-                f"{job.unit_slots} units each (--no-pack: {args.physical_batch_size} units of padded rows)") \
-        if job.packed else f"physical batch {args.physical_batch_size}"
+    if job.packed:
+        from ..packing import row_counts
+
+        rows, *fewer = row_counts(job.batches.physical_batch_size)
+        physical = (f"packed into physical batches of {rows} rows x {T}"
+                    + (f" (a logical batch's last ones of {' or '.join(map(str, fewer))} rows)" if fewer else "")
+                    + f" holding up to {job.unit_slots} units each (--no-pack: {args.physical_batch_size} units "
+                    "of padded rows)")
+    else:
+        physical = f"physical batch {args.physical_batch_size}"
     say(f"sampling: Poisson q = {job.q:.4g} (E[B] = {job.batches.expected_batch_size:g} "
         f"{'units' if args.data else 'documents'}), {physical}")
     if job.unpacked_why:

@@ -12,9 +12,10 @@ import logging
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .._torch import GUARDS, gloo_worker_threads
+from .._torch import GUARDS, FakeTensor, gloo_worker_threads, in_fake_world
 from .._fixed_shape_forwards import for_capture
 from ..capture import capture
 from ..config import DPConfig
@@ -190,7 +191,16 @@ class Engine(CheckpointState):
 
     def _check_units_apart(self, lowered: Lowered, batch: tuple) -> None:
         """Packed documents: the probe that a unit's gradient reads its own tokens only
-        (``engine_checks.check_units_apart``), run on ``lowered``'s train graph."""
+        (``engine_checks.check_units_apart``), run on ``lowered``'s train graph.
+
+        Whether the probe runs, and how often, depends on the batch's values. With sharded model
+        states each run gathers parameters with ranks that hold other batches (a new row count is
+        captured in the same round on every rank, one rank's batch real, another's blank): every
+        rank probes rank 0's batch, so that all run the graph together, as often."""
+        if self.sharding is not None and not in_fake_world() and not any(isinstance(t, FakeTensor) for t in batch):
+            batch = tuple(t.clone() for t in batch)
+            for t in batch:
+                dist.broadcast(t, src=0)
         check_units_apart(batch, lambda probe: self._probe_norms(lowered, probe), self._dtype())
 
     def _probe_norms(self, lowered: Lowered, batch: tuple) -> torch.Tensor:

@@ -635,7 +635,8 @@ def test_torchrun_packed_documents_over_dp_cp_and_fsdp_train_as_one_process(tmp_
             "--accountant", "rdp", "--sigma", 1]
     assert cli.main([str(a) for a in args] + ["--out", str(tmp_path / "one")]) == 0
     one = capsys.readouterr().out
-    packed = "packed into physical batches of 4 rows x 64 holding up to 64 units"  # 16 slots per row at T = 64
+    # 16 slots per row at T = 64, at most 2·E + 8 = 24 in all
+    packed = "packed into physical batches of 4 rows x 64 (a logical batch's last ones of 2 rows) holding up to 24 units"
     assert packed in one
     a = metric_rows(tmp_path / "one")
     sizes = [r["not_covered_by_dp"]["logical_batch_size"] for r in a]

@@ -53,6 +53,7 @@ from oracles import (CALIBRATION, CP_CASES, CP_CLIP, CP_LR, CP_NOISE_E, CP_NOISE
                      gpt2_embedding_dropout, logical, packed_segments, tiny_llama)
 from oracles import (PACKED_C, PACKED_CFG, PACKED_ROWS, PACKED_T, PACKED_U, packed_model,  # noqa: E402
                      packed_units)
+from longshield_fx.data import LogicalBatch  # noqa: E402
 from longshield_fx.packing import empty_batch, pack_documents  # noqa: E402
 
 
@@ -350,15 +351,19 @@ def packed_case(kind: str, checkpoint: str | None = None, dp: int = 1, fsdp: tup
            "per_unit": {n: g.clone() for n, g in engine.per_sample_grads(*first.tensors()).items()}}
 
     def clipped_sum(batches) -> tuple[dict, dict]:
-        """The clipped sum, and this replica's per-unit norms by physical batch."""
+        """The clipped sum, and this replica's per-unit norms by physical batch, the batches dealt
+        round the replicas as the CLI deals them (``LogicalBatch.share``: rounds of equal rows)."""
         model.zero_grad()
-        padding = empty_batch(PACKED_ROWS, PACKED_T, PACKED_U)
+        size = sum(len(pb.members) for pb in batches)
+        dealt = LogicalBatch(size, torch.arange(size), [(pb.tensors(), None) for pb in batches], 1.0, 1.0,
+                             blank=(empty_batch(PACKED_ROWS, PACKED_T, PACKED_U).tensors(), None))
         norms = {}
-        for i in range(-(-len(batches) // dp) * dp):
-            if i % dp == dp_rank:
-                engine.accumulate(*(batches[i] if i < len(batches) else padding).tensors())
-                norms[i] = engine.last_norms.clone()
-        engine.finalize(logical(sum(len(pb.members) for pb in batches)))
+        for tensors, _ in dealt.share(dp_rank, dp):
+            engine.accumulate(*tensors)
+            ran = [i for i, pb in enumerate(batches) if tensors[0] is pb.input_ids]  # none: a blank
+            if ran:
+                norms[ran[0]] = engine.last_norms.clone()
+        engine.finalize(logical(size))
         return {name: full(p.grad) for name, p in model.named_parameters()}, norms
 
     out["clipped_sum"], out["norms"] = clipped_sum(batches)
@@ -379,7 +384,7 @@ def packed_case(kind: str, checkpoint: str | None = None, dp: int = 1, fsdp: tup
     out["victim_moved"] = max(float((changed[n][victim] - g[victim]).abs().max()) for n, g in out["per_unit"].items())
     out["victim_ranks"] = [bool(where.index_select(1, schedule.zigzag_index(PACKED_T, mesh.size(), r)).any())
                            for r in range(mesh.size())]
-    out["captures"] = engine.captures  # batches of other units and lengths: the same graphs
+    out["captures"] = engine.captures  # batches of other units and lengths: a graph per row count (4 and 2)
     out["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
     return out
 
