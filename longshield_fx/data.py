@@ -11,7 +11,9 @@ graph has a fixed batch dimension. Following masked DP-SGD (same paper, §3.1)
 each logical batch is cut into physical batches of exactly
 ``physical_batch_size`` rows; the last one is padded, and a float mask marks
 real rows with 1 and pads with 0 so that pads contribute nothing to per-sample
-norms or clipped sums. The graph is never recaptured.
+norms or clipped sums. The graph is never recaptured. (Packed batches,
+``packing.PackedPoissonBatches``, have no mask and come in a fixed set of row
+counts, one graph each: ``packing.row_counts``.)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class LogicalBatch:
     dimension ``physical_batch_size``; ``mask`` is a float32 tensor of shape
     ``(physical_batch_size,)``. ``sum(mask.sum() for _, mask in physical) == size``.
     Packed batches (``packing.PackedPoissonBatches``) have no mask (None): their unit slots
-    say which units they hold.
+    say which units they hold, and a logical batch's last ones have fewer rows.
     ``sample_rate`` and ``expected_size`` (q·N) are the sampler's: ``engine.finalize(batch)``
     divides by the expected size and accounts the step at this q, so q has one source.
     """

@@ -26,8 +26,9 @@ class PrivacyArguments:
         None: each row is a unit.
     pack_seq_len: pack the sampled units' documents (each training row one document, of any length;
         every token trained, labels = input_ids) into physical batches of ``per_device_train_batch_size``
-        rows of this many tokens, each document attending only to itself, each unit still one sample
-        (``longshield_fx.packing``). None: rows are padded to the longest.
+        rows of this many tokens (a logical batch's last ones of a half, a quarter, ... of those rows:
+        ``longshield_fx.packing.row_counts``), each document attending only to itself, each unit
+        still one sample (``longshield_fx.packing``). None: rows are padded to the longest.
     clipping, accountant: as in ``longshield_fx.DPConfig``.
     cp: under torchrun, ranks per context-parallel group (ring attention); the other factor of the
         world size is data parallel ("dp").

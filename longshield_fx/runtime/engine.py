@@ -34,6 +34,7 @@ from .traces import keep_trace, shared_trace, trace, trace_key
 
 log = logging.getLogger(__name__)
 _RECAPTURE_WARNING = 8  # the capture of one graph that warns of repeated recaptures (as dynamo's recompile_limit)
+_ROW_COUNTS_WARNING = 17  # one more than pack_documents makes below 2**17 rows
 
 
 def _threaded_gloo(mesh) -> bool:
@@ -128,7 +129,8 @@ class Engine(CheckpointState):
         # key -> (model fingerprint, dynamo's guards) at its capture: see "Capture guards".
         self._captured_from: dict[tuple[str, int], tuple] = {}
         self._graph_captures: dict[tuple[str, int], int] = {}
-        self._step_state = None  # the model's fingerprint at this logical batch's first accumulate
+        # (key, shapes) of this logical batch's first graph and batch: the model state a step runs
+        self._step_graph = None
         self._shapes = None
         # A batch of one runs as two rows, the second a masked copy of the first, when the graph
         # of one sample is refused and that of two is not (``lower``).
@@ -151,8 +153,9 @@ class Engine(CheckpointState):
 
         ``graph``: "train" (per physical batch: loss sum, norms, clipped sums; needs a DP
         config) or "per_sample" (the graph behind ``per_sample_grads``). Cached: the first
-        call captures, later calls return the same graph (the physical shapes are fixed)
-        unless the model changed since (see the class docstring: capture guards).
+        call captures, later calls return the same graph (the physical shapes are fixed; packed
+        batches: one graph per row count) unless the model changed since (see the class
+        docstring: capture guards).
         Tensors may be fake (``FakeTensorMode``): nothing is computed.
         """
         if graph not in self.pipelines:
@@ -182,9 +185,9 @@ class Engine(CheckpointState):
             if graph == "train" and self.packed_units:
                 self._check_units_apart(lowered, self._padded(example_batch))
             self._lowered[key] = lowered
-            if sum(k[0] == graph for k in self._lowered) == _RECAPTURE_WARNING:
+            if sum(k[0] == graph for k in self._lowered) == _ROW_COUNTS_WARNING:
                 warnings.warn(
-                    f"engine: {_RECAPTURE_WARNING} row counts of packed batches so far, each a capture of the {graph} "
+                    f"engine: {_ROW_COUNTS_WARNING} row counts of packed batches so far, each a capture of the {graph} "
                     "graph; longshield_fx.packing.pack_documents makes batches of rows, rows/2, rows/4, ... only",
                     RuntimeWarning, stacklevel=2)
         return lowered
@@ -196,12 +199,20 @@ class Engine(CheckpointState):
         Whether the probe runs, and how often, depends on the batch's values. With sharded model
         states each run gathers parameters with ranks that hold other batches (a new row count is
         captured in the same round on every rank, one rank's batch real, another's blank): every
-        rank probes rank 0's batch, so that all run the graph together, as often."""
+        rank probes rank 0's batch, and each decision is taken on the largest measure of any
+        rank, so that all run the graph together, as often, and refuse together."""
+        agree = None
         if self.sharding is not None and not in_fake_world() and not any(isinstance(t, FakeTensor) for t in batch):
             batch = tuple(t.clone() for t in batch)
             for t in batch:
                 dist.broadcast(t, src=0)
-        check_units_apart(batch, lambda probe: self._probe_norms(lowered, probe), self._dtype())
+
+            def largest_on_any_rank(x: float) -> float:  # GPU kernels' jitter can differ between ranks
+                t = torch.tensor([x], dtype=torch.float64, device=batch[0].device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                return float(t)
+            agree = largest_on_any_rank
+        check_units_apart(batch, lambda probe: self._probe_norms(lowered, probe), self._dtype(), agree)
 
     def _probe_norms(self, lowered: Lowered, batch: tuple) -> torch.Tensor:
         """The train graph's per-unit norms for ``batch``, every row counted, dropout drawn alike."""
@@ -239,21 +250,18 @@ class Engine(CheckpointState):
         graph = key[0]
         lowered = self._lowered.get(key)
         within_step = graph == "train" and self._accum is not None
+        # Inside a step, a graph of other rows than the step's first batch (a new row count, or
+        # one stale from before the step) is captured only if the model is still what the step
+        # began with: the step's first graph still passes its own checks.
         if lowered is None:
-            if within_step and fingerprint(self.model) != self._step_state:
-                self._refuse_change("a new row count's capture would trace the changed model")
+            if within_step:
+                self._refuse_a_change_since_the_step_began()
             return None
         change = self._change(key, sharded_batch)
         if change is None:
             return lowered
         if within_step:
-            # A lowering of other rows may be stale from before this step (the model changed
-            # between steps, then this step ran other rows first): recaptured, as at a step's
-            # first batch. A change since this step's first accumulate, or one the fingerprint
-            # does not see (a guard), is refused.
-            now = fingerprint(self.model)
-            if now != self._step_state or self._captured_from[key][0] == now:
-                self._refuse_change(change)
+            self._refuse_a_change_since_the_step_began()
         log.info("engine: recapturing the %s graph of %d rows: %s", graph, key[1], change)
         n = self._graph_captures[key]
         if n + 1 == _RECAPTURE_WARNING:
@@ -264,12 +272,16 @@ class Engine(CheckpointState):
         del self._lowered[key]
         return None
 
-    @staticmethod
-    def _refuse_change(change: str):
-        raise ValueError(
-            f"engine: the model changed since this logical batch's first accumulate ({change}); "
-            "its physical batches must all run the same model. Make such changes between steps (after "
-            "engine.finalize), or undo the change to finish this logical batch")
+    def _refuse_a_change_since_the_step_began(self) -> None:
+        """Raise if the model changed since this logical batch's first accumulate: its graph's
+        fingerprint and guards, checked on a batch shaped like that first one."""
+        key, specs = self._step_graph
+        change = self._change(key, tuple(torch.empty_strided(shape, stride, **kw) for shape, stride, kw in specs))
+        if change is not None:
+            raise ValueError(
+                f"engine: the model changed since this logical batch's first accumulate ({change}); "
+                "its physical batches must all run the same model. Make such changes between steps (after "
+                "engine.finalize), or undo the change to finish this logical batch")
 
     def _change(self, key: tuple[str, int], sharded_batch) -> str | None:
         """What changed, in words, since ``key``'s graph was captured; None if nothing did."""
@@ -407,7 +419,7 @@ class Engine(CheckpointState):
         batch, mask = run, run_mask
         key = ("train", batch[0].shape[0])
         if self._accum is None:
-            self._step_state = self._captured_from[key][0]
+            self._step_graph = key, [(t.shape, t.stride(), {"dtype": t.dtype, "device": t.device}) for t in sharded]
         captured, gm = lowered.captured, self._runner(key, lowered)
         loss_val = val(captured.cotangent_placeholder())
         cotangent = mask.to(device=batch[0].device, dtype=loss_val.dtype)
@@ -454,7 +466,7 @@ class Engine(CheckpointState):
         if self.sharding is not None:  # the accumulator holds this rank's (padded) shards
             sums = self._accum
         else:
-            shard_dims = self._train_lowering().shard_dims
+            shard_dims = self._lowered[self._step_graph[0]].shard_dims  # the graph this step began with
             with self.parallel.collective_errors():
                 sums = {name: self.parallel.full_clipped_sum(total, shard_dims[name]).contiguous()
                         for name, total in self._accum.items()}

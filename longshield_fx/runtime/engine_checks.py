@@ -1,10 +1,11 @@
 """What the engine refuses that no pass can see: packed units that reach each other's tokens (a
 probe of the train graph at capture), a forward that a compute-dtype copy of the model would not
-carry, batches whose shapes differ from the first's, and unit slots that do not fit
+carry, batches whose shapes differ from the first's (packed batches: but for their rows), and unit slots that do not fit
 ``packed_units``."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
 import torch
@@ -21,7 +22,8 @@ _JITTER_MARGIN = 10.0
 _JITTER_CEILING = 1e-3
 
 
-def check_units_apart(batch: tuple, probe_norms: Callable[[tuple], torch.Tensor], dtype) -> None:
+def check_units_apart(batch: tuple, probe_norms: Callable[[tuple], torch.Tensor], dtype,
+                      agree: Callable[[float], float] | None = None) -> None:
     """Packed documents: a unit's gradient may read its own tokens only, which the model's
     attention mask must ensure and no pass can see (``PackedCausalLMLoss`` does; a custom
     model may not). A probe on the example batch's values, laid out as two units (the first
@@ -38,7 +40,11 @@ def check_units_apart(batch: tuple, probe_norms: Callable[[tuple], torch.Tensor]
     (flash attention's backward) move a correct model's bf16 norms by ~1e-4 from run to run;
     a change within ``_JITTER_MARGIN`` times the jitter seen, and under ``_JITTER_CEILING``,
     is that jitter and passes with a warning. Deterministic kernels (every CPU run) show none,
-    so there the tolerance alone decides."""
+    so there the tolerance alone decides.
+
+    ``agree``: a measure's largest value over the ranks that run the graph together (sharded
+    model states; None: this rank alone); every decision (skip, repeat, refuse) is taken on it,
+    so that all of them run the graph as often and refuse together."""
     from .._torch import FakeTensor, in_fake_world
 
     if any(isinstance(t, FakeTensor) for t in batch) or in_fake_world():
@@ -49,7 +55,8 @@ def check_units_apart(batch: tuple, probe_norms: Callable[[tuple], torch.Tensor]
         return
     unchanged = probes[0]
     base, after_first, after_second = (probe_norms(b) for b in probes)
-    if not bool((torch.isfinite(base[:2]) & (base[:2] > 0)).all()):
+    agree = agree or (lambda x: x)
+    if agree(float(not bool((torch.isfinite(base[:2]) & (base[:2] > 0)).all()))):
         log.info("engine: the packed isolation probe is skipped: the example batch gives a unit no finite, "
                  "non-zero gradient to watch")
         return
@@ -59,10 +66,12 @@ def check_units_apart(batch: tuple, probe_norms: Callable[[tuple], torch.Tensor]
     tolerance = 1e-4 if dtype in (torch.float16, torch.bfloat16) else 1e-6
     change, unit, after, other = max((moved(after_first, 1), 1, after_first, "the first"),
                                      (moved(after_second, 0), 0, after_second, "the second"), key=lambda w: w[0])
+    change = agree(change if change == change else math.inf)  # a nan moved it as far as anything can
     if change <= tolerance:
         return
     repeats = [probe_norms(unchanged) for _ in range(2)]
     jitter = max(moved(norms, u) for norms in repeats for u in (0, 1))
+    jitter = agree(jitter if jitter == jitter else math.inf)
     if change <= min(_JITTER_MARGIN * jitter, _JITTER_CEILING):
         log.warning("engine: the packed isolation probe accepted a unit's norm moved by %.2g (relative) when only "
                     "another unit's tokens changed: the unchanged batch's norms themselves moved by up to %.2g "

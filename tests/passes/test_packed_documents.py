@@ -559,29 +559,40 @@ def test_a_logical_batch_ending_in_batches_of_fewer_rows_clips_each_unit_as_alon
 
 def test_a_model_change_inside_a_logical_batch_is_refused_whatever_rows_its_batches_have(setup):
     """A step runs one state of the model, in every row count's graph: a change after its first
-    accumulate is refused at a batch of other rows, captured before or not yet. A change between
-    steps recaptures each row count's graph as its batches come, stale ones included."""
+    accumulate is refused at a batch of other rows, captured before or not yet, whether the
+    fingerprint sees it (the training flag) or only dynamo's guards do (a global torch flag). A
+    change between steps recaptures each row count's graph as its batches come, stale ones included."""
     lm, engine = setup
     units = _units(seed=1) + _units(seed=2)[:3]
     four, _, two = pack_documents(units, seq_len=T, rows=ROWS, unit_slots=U)[0]
     (eight,), _ = pack_documents(_units(seed=1), seq_len=T, rows=2 * ROWS, unit_slots=U)
-    for other in (two, eight):  # a row count captured before (here), one never run
-        engine.accumulate(*two.tensors())
-        engine._accum, engine._accumulated = None, 0
-        engine.accumulate(*four.tensors())
-        lm.eval()
-        try:
-            with pytest.raises(ValueError, match="changed since this logical batch's first accumulate"):
-                engine.accumulate(*other.tensors())
-        finally:
-            lm.train()
-            engine._accum, engine._accumulated = None, 0
-    lm.note = 1  # between steps: every graph is now stale
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    changes = {"fingerprint": (lambda: lm.eval(), lambda: lm.train()),
+               "guard": (lambda: torch.use_deterministic_algorithms(not deterministic),
+                         lambda: torch.use_deterministic_algorithms(deterministic))}
     try:
-        captures = engine.captures
-        engine.accumulate(*two.tensors())
-        engine.accumulate(*four.tensors())  # stale since before this step: recaptured, not refused
-        assert engine.captures == captures + 2
+        for change, undo in changes.values():
+            for other in (two, eight):  # a row count captured before, one never run
+                engine.accumulate(*two.tensors())
+                engine._accum, engine._accumulated = None, 0
+                engine.accumulate(*four.tensors())
+                change()
+                try:
+                    with pytest.raises(ValueError, match="changed since this logical batch's first accumulate"):
+                        engine.accumulate(*other.tensors())
+                finally:
+                    undo()
+                    engine._accum, engine._accumulated = None, 0
+        for change, undo in changes.values():  # between steps: every graph is now stale
+            change()
+            try:
+                captures = engine.captures
+                engine.accumulate(*two.tensors())
+                engine.accumulate(*four.tensors())  # stale since before this step: recaptured, not refused
+                assert engine.captures == captures + 2
+            finally:
+                undo()
+                engine._accum, engine._accumulated = None, 0
     finally:
-        del lm.note
-        engine._accum, engine._accumulated = None, 0
+        torch.use_deterministic_algorithms(deterministic)
+        lm.train()
