@@ -38,19 +38,21 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
     """Packed documents: physical batches of B·R rows (the memory of B padded units:
     ``packing.packed_rows``), a logical batch's last ones of half as many, a quarter, ...;
     holding up to ``packing.unit_slots_per_row(T)`` units per row and at most 2·E + 8
-    (``packing.unit_slots_for``); Poisson sampling over units (``packing.PackedPoissonBatches``)."""
+    (``packing.unit_slots_for``); Poisson sampling over units (``packing.PackedPoissonBatches``).
+    Each row count's graph is captured here, before the first step."""
     import longshield_fx as lf
 
     from ..errors import UnsupportedModelError
-    from ..packing import PackedPoissonBatches, empty_batch, packed_rows, unit_slots_for
+    from ..packing import PackedPoissonBatches, empty_batch, packed_rows, row_counts, unit_slots_for
 
     args = job.args
     rows = packed_rows(job.corpus.rows_per_unit, args.physical_batch_size)
     job.unit_slots = unit_slots_for(rows, args.seq_len, job.q * job.corpus.num_units)
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
                             fsdp=job.fsdp, packed_units=job.unit_slots)
-    try:
-        job.engine.lower(*(t.to(job.device) for t in empty_batch(rows, args.seq_len, job.unit_slots).tensors()))
+    try:  # every row count a logical batch may end in, captured now: no step pays for a capture
+        for count in row_counts(rows):
+            job.engine.lower(*(t.to(job.device) for t in empty_batch(count, args.seq_len, job.unit_slots).tensors()))
     except UnsupportedModelError as e:
         raise CLIError(f"{job.model_name} cannot be trained with DP by longshield_fx: {e}") from None
     job.opt = torch.optim.AdamW(job.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
