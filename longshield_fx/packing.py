@@ -105,6 +105,9 @@ def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, ro
     while left:
         need = -(-left_tokens // seq_len)  # rows the units left fill at the least
         size = max((c for c in counts if c <= need), default=counts[-1])
+        # at least the rows of the longest unit left: left for a later batch, it would take a
+        # larger one of its own
+        size = max(size, min((c for c in counts if c >= len(pieces[left[0]])), default=rows))
         for size in sorted(c for c in counts if c >= size):  # larger only when no unit left fits
             members, rows_of, rest = _fill(left, pieces, tokens, size, seq_len, unit_slots)
             if members:
