@@ -15,9 +15,10 @@ bar, logging, callbacks, evaluation, checkpoint folders, the optimizer and LR sc
 ``TrainingArguments``) is kept; only the pieces that DP changes are replaced. Each optimizer step is
 one Poisson-sampled logical batch of the training set's units (a row, or all rows of one value of
 ``PrivacyArguments.unit_column``), cut into fixed-shape physical batches of
-``per_device_train_batch_size`` units (packed: of that many rows, the last ones of fewer); the engine accumulates their clipped per-unit gradients and
-adds the noise once. The Trainer's own DataLoader, gradient clipping and model wrapping (DDP) are not
-used. Under torchrun the processes form a (dp, cp) mesh (``PrivacyArguments.cp``, ``fsdp``).
+``per_device_train_batch_size`` units (packed: of that many rows, a logical batch's last ones of
+fewer); the engine accumulates their clipped per-unit gradients and adds the noise once. The
+Trainer's own DataLoader, gradient clipping and model wrapping (DDP) are not used. Under torchrun
+the processes form a (dp, cp) mesh (``PrivacyArguments.cp``, ``fsdp``).
 
 What is logged: ``epsilon`` and ``delta`` beside every log line. The training loss is computed from
 the private rows without noise, so it is logged as ``loss_not_dp`` (and ``train_loss_not_dp``);

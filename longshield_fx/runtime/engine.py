@@ -120,7 +120,7 @@ class Engine(CheckpointState):
             "per_sample": pipeline(training=False, **layout, disable=set(disable_passes) & in_per_sample)}
         if sharded:  # last of the checks: from here on the model's parameters are DTensor shards
             self.sharding.shard_model(model)
-        self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes
+        self.captures = 0  # number of graph captures; stays 1 with fixed physical shapes (packed: 1 per row count)
         self.traces = 0  # of those, the ones traced here, not taken from another engine (runtime.traces)
         self._pristine = None  # (model fingerprint, its rows, an unrewritten copy of the last capture)
         self.nonfinite_samples = 0  # real samples whose gradient was inf/nan (contributed 0)
