@@ -98,6 +98,7 @@ def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, ro
             truncated += 1
             pieces[i] = ps[:rows]
     tokens = [sum(map(len, ps)) for ps in pieces]
+    alone = [_rows_alone(ps, seq_len) for ps in pieces]
     order = sorted((i for i, ps in enumerate(pieces) if ps), key=lambda i: -tokens[i])
     counts = row_counts(rows)
     batches: list[tuple[list[int], list[list[tuple[int, list[int]]]]]] = []  # (members, rows of (slot, piece))
@@ -105,9 +106,10 @@ def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, ro
     while left:
         need = -(-left_tokens // seq_len)  # rows the units left fill at the least
         size = max((c for c in counts if c <= need), default=counts[-1])
-        # at least the rows of the longest unit left: left for a later batch, it would take a
-        # larger one of its own
-        size = max(size, min((c for c in counts if c >= len(pieces[left[0]])), default=rows))
+        # at least the rows the unit needing most takes alone: left for a later batch, it would
+        # take a larger one of its own
+        most = max(alone[i] for i in left)
+        size = max(size, min((c for c in counts if c >= most), default=rows))
         for size in sorted(c for c in counts if c >= size):  # larger only when no unit left fits
             members, rows_of, rest = _fill(left, pieces, tokens, size, seq_len, unit_slots)
             if members:
@@ -130,6 +132,18 @@ def row_counts(rows: int) -> list[int]:
     while counts[-1] // 2 >= 2:
         counts.append(counts[-1] // 2)
     return counts
+
+
+def _rows_alone(pieces: list[list[int]], seq_len: int) -> int:
+    """The rows a unit's pieces (longest first) take by first fit into an empty batch."""
+    free: list[int] = []
+    for piece in pieces:
+        row = next((r for r, f in enumerate(free) if f >= len(piece)), None)
+        if row is None:
+            free.append(seq_len - len(piece))
+        else:
+            free[row] -= len(piece)
+    return len(free)
 
 
 def _fill(left: list[int], pieces: list, tokens: list[int], size: int, seq_len: int, unit_slots: int):

@@ -83,7 +83,7 @@ def test_no_unit_is_split_over_slots_and_slots_are_bounded():
 def test_the_rows_left_go_into_batches_of_a_half_a_quarter_of_the_rows():
     """Units of whole rows: 23 rows' worth in batches of 8 rows make 8 + 8 + 4 + 2 + 2 (the
     last 2-row batch half padding), not three of 8; a unit of 3 rows, too long for the 2 rows
-    its tokens ask for, goes into 4."""
+    its tokens ask for, goes into 4; a unit of 3 short pieces, which share a row, into 2."""
     assert row_counts(16) == [16, 8, 4, 2] and row_counts(6) == [6, 3] and row_counts(3) == [3] and row_counts(2) == [2]
     units = [[[1] * 4] for _ in range(23)]
     batches, stats = pack_documents(units, seq_len=4, rows=8, unit_slots=64)
@@ -91,6 +91,8 @@ def test_the_rows_left_go_into_batches_of_a_half_a_quarter_of_the_rows():
     assert stats.padding_slots == 4 and stats.token_slots == 24 * 4
     batches, _ = pack_documents([[[1] * 12]], seq_len=4, rows=8, unit_slots=64)
     assert [pb.units.shape[0] for pb in batches] == [4]
+    batches, _ = pack_documents([[[1] * 4] * 3], seq_len=16, rows=8, unit_slots=64)  # 3 pieces, 1 row
+    assert [pb.units.shape[0] for pb in batches] == [2]
 
 
 def test_bad_sizes_are_refused():

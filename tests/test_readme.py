@@ -34,7 +34,7 @@ def test_packed_documents_example_runs():
     namespace = {}
     exec(compile(example, "docs/guides/packed-documents.md", "exec"), namespace)
     engine, batches = namespace["engine"], namespace["batches"]
-    assert engine.captures == 1 and batches.step == 2
+    assert 1 <= engine.captures <= 3 and batches.step == 2  # one capture per row count run: 8, 4 or 2
     assert 0 < engine.epsilon(delta=1e-5) < float("inf")
 
 
