@@ -135,15 +135,10 @@ def row_counts(rows: int) -> list[int]:
 
 
 def _rows_alone(pieces: list[list[int]], seq_len: int) -> int:
-    """The rows a unit's pieces (longest first) take by first fit into an empty batch."""
-    free: list[int] = []
-    for piece in pieces:
-        row = next((r for r, f in enumerate(free) if f >= len(piece)), None)
-        if row is None:
-            free.append(seq_len - len(piece))
-        else:
-            free[row] -= len(piece)
-    return len(free)
+    """The rows a unit's pieces (longest first) take by ``_place`` into an empty batch."""
+    rows_of: list[list[tuple[int, list[int]]]] = [[] for _ in pieces]
+    _place(rows_of, 0, pieces, seq_len)
+    return sum(1 for row in rows_of if row)
 
 
 def _fill(left: list[int], pieces: list, tokens: list[int], size: int, seq_len: int, unit_slots: int):
