@@ -18,13 +18,16 @@ same tokens run as:
 The "÷ eager" column of a DP layout is the inverse of its document tokens per second as a share
 of the non-private step's (the same tokens either way): 1.11 is 0.9 of it.
 
-Times are medians of ``--repeats`` calls of ``engine.accumulate`` (the step's graph; ``finalize``
-is once per logical batch and the same for every layout), the layouts taking turns call by call
-so machine drift hits all alike, one thread. ``--profile`` adds, per layout, the self CPU time of
+Times are medians of ``engine.accumulate`` calls (the step's graph; ``finalize`` is once per
+logical batch and the same for every layout), one thread. The layouts take turns, ``--repeats``
+rounds, so machine drift hits all alike; in a round a layout runs one untimed call, then
+``--run`` timed ones: in training an accumulate follows the same engine's last one, never
+another layout's, whose tensors would have left the caches (timed right after one, a packed
+call on 16 rows took 215 ms, after its own 147). ``--profile`` adds, per layout, the self CPU time of
 one call by category (matmuls, attention, norms, copies and gathers, elementwise, other).
 
     python benchmarks/packed_slot_cost.py [--model tiny] [--rows 8] [--seq-len 256] [--median 56]
-        [--slots 32,128,512,1024] [--repeats 15] [--profile] [--compiled]
+        [--slots 32,128,512,1024] [--repeats 15] [--run 2] [--profile] [--compiled]
 """
 from __future__ import annotations
 
@@ -53,19 +56,27 @@ CATEGORIES = (
 
 
 def packed_batch(rows: int, T: int, median: float, slots: int, vocab: int, seed: int = 0):
-    """One physical batch of rows x T filled with documents of log-normal lengths (a unit each),
-    drawn until the next would not fit; and how many units it holds."""
+    """One physical batch of ``rows`` x T filled with documents of log-normal lengths (a unit
+    each), drawn until the next would not fit in one batch of ``rows`` rows; and how many units it
+    holds. (Fewer documents would go into a batch of fewer rows: ``packing.row_counts``.)"""
     g = torch.Generator().manual_seed(seed)
     units, packed = [], None
     while True:
         n = int(torch.exp(torch.randn(1, generator=g) * 0.6 + math.log(median)).long().clamp(4, T - 6))
         candidate = units + [[torch.randint(0, vocab, (n,), generator=g).tolist()]]
-        attempt, _ = pack_documents(candidate, seq_len=T, rows=rows, unit_slots=slots)
-        if len(attempt) > 1 or len(candidate) > slots:
+        if len(candidate) > slots:
             break
-        units, packed = candidate, attempt
+        attempt, _ = pack_documents(candidate, seq_len=T, rows=rows, unit_slots=slots)
+        if attempt[0].tensors()[0].shape[0] == rows and len(attempt) > 1:
+            break  # a full batch and more
+        units = candidate
+        if len(attempt) == 1 and attempt[0].tensors()[0].shape[0] == rows:
+            packed = attempt
+    if packed is None:
+        raise SystemExit(f"packed_slot_cost: {slots} documents of median {median} tokens do not fill {rows} rows; "
+                         f"raise --slots or --median")
     ids, labels, positions, unit = packed[0].tensors()
-    return (ids, labels, positions, unit), len(units)
+    return (ids, labels, positions, unit), int(unit[unit < slots].unique().numel())
 
 
 def category(op: str) -> str:
@@ -96,6 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("--median", type=float, default=56.0)
     p.add_argument("--slots", default="32,128,512,1024")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--run", type=int, default=2, help="timed calls in a row per layout and round, after an untimed one")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--compiled", action="store_true",
                    help="add the DP steps through inductor and the non-private one through torch.compile")
@@ -145,9 +157,11 @@ def main(argv=None) -> int:
     times = {name: [] for name in calls}
     for _ in range(args.repeats):
         for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - t0)
+            call()  # after another layout's call, which no training step follows: not timed
+            for _ in range(args.run):
+                t0 = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t0)
     median = {name: statistics.median(ts) for name, ts in times.items()}
     slots_total = rows * T
     print(f"# {args.model}, {rows} x {T} token slots, {members} documents ({real} real tokens, "
