@@ -48,10 +48,13 @@ def _units(unit: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list
 
     Every layer of a step reads the same ``unit`` and ``counts``: their units are found once per
     step. The cache compares values, not tensor identities (a compiled graph may write a new
-    step's counts into the buffer of the last one without a version bump), and keeps two entries:
-    a step may read two counts (the clip's, which gives padding none, and the batch's own)."""
+    step's counts into the buffer of the last one without a version bump), on one device (a
+    process may run graphs on a GPU and on the CPU), and keeps two entries: a step may read two
+    counts (the clip's, which gives padding none, and the batch's own)."""
     for cached_unit, cached_counts, found in _found_units:
-        if torch.equal(cached_unit, unit) and torch.equal(cached_counts, counts):
+        if (cached_unit.device == unit.device and cached_counts.device == counts.device  # equal() refuses two devices
+                and cached_unit.shape == unit.shape and cached_counts.shape == counts.shape
+                and torch.equal(cached_unit, unit) and torch.equal(cached_counts, counts)):
             return found
     runs_of: dict[int, Runs] = {}
     if unit.numel():

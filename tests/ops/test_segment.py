@@ -195,6 +195,19 @@ def test_empty_slots_change_no_value():
         assert torch.equal(s, l)
 
 
+def test_units_found_on_another_device_are_not_compared_with_these(monkeypatch):
+    """The units found once per step are cached by value; a process that ran a graph on another
+    device (a GPU check comparing with the CPU) holds them there, and they are skipped, not
+    compared (``torch.equal`` refuses two devices): the CPU's own units are found."""
+    a, b = _rows()
+    unit, counts = _layout("scattered")
+    expected = ops.segment_outer_norms(a, b, unit, counts, 4)[0]
+    other = (unit.to("meta"), counts.to("meta"), "units found on the meta device")
+    monkeypatch.setattr(segment, "_found_units", [other, other])
+    assert torch.equal(ops.segment_outer_norms(a, b, unit, counts, 4)[0], expected)
+    assert segment._found_units[1] is other
+
+
 def test_the_clipped_sum_of_products_all_held_needs_no_token_rows():
     """With a product held for every unit, the clipped sum reads no token row (a graph may let
     them go after the norms); with fewer held and no rows to form the others it refuses by name."""
