@@ -23,7 +23,8 @@ Assumes: ``per_sample`` ran (``meta[PER_SAMPLE_GRAD]`` on each parameter placeho
 the clipped sums has norm ≤ C·(1 + 1e-6) measured in float64: squared norms are summed in
 float64 (in chunks of at most ``_NORM_CHUNK`` elements, so the float64 copy stays small)
 and the clip factor is computed in float64, whatever the compute dtype; only its rounding
-to fp32 (2**-24) and the fp32 product remain. Embedding gradients in sparse-row form are
+to fp32 (2**-24; a factor below fp32's smallest normal number, 2**-126, is made 0: its sample
+contributes nothing) and the fp32 product remain. Embedding gradients in sparse-row form are
 clipped and summed from the token ids without a (B, V, H) tensor.
 
 Packed documents (``ctx.packed_units`` = U): the samples are the U + 1 unit slots of
@@ -60,6 +61,7 @@ from .per_sample import PerSampleGrad, Rewriter
 
 aten = torch.ops.aten
 _EPS = 1e-6
+_FP32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: a smaller factor is made 0 (its fp32 rounding is not relative)
 _NORM_CHUNK = 2 ** 22  # elements per float64 copy when summing squares (32 MiB: below a large head's gradient)
 
 
@@ -125,7 +127,10 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 denominator = b(aten.add.Scalar, b(aten.sqrt.default, sq[name]), _EPS)
                 denominator = _plus(b, denominator, [rounding[name]] if name in rounding else [])
                 factors[name] = _min1(b, _ratio(b, threshold, denominator))
-        factors = {name: b(aten.where.ScalarOther, keep, f, 0.0) for name, f in factors.items()}
+        # A factor below fp32's smallest normal number rounds to fp32 with an error far above 2**-24
+        # of it (a gradient norm above ~1e38·C): its sample contributes 0 instead.
+        factors = {name: b(aten.where.ScalarOther, b(aten.logical_and.default, keep, b(aten.ge.Scalar, f, _FP32_TINY)),
+                           f, 0.0) for name, f in factors.items()}
         if packed:
             sums = {name: packed.clipped_sum(name, grads[name], factors[name], keep) for name in names}
         else:
