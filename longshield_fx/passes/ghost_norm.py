@@ -50,9 +50,9 @@ read by N token rows holding P units of n̄ = N/P tokens, in fp32 multiply-adds:
 The constants were measured on one CPU core. Left out: the ghost ops' own overhead (about 1 ms
 a layer at N = 2048, gathers and Python), so the rule keeps ghost up to units of about 20
 tokens, where per-unit is already the faster from about 12. How many units a batch holds is
-known only when it runs; the rule takes P = 4 per row (``expected_units``), at most U: a guess
-at the units present, never the slots reserved, so the same rows choose the same methods at any U
-of at least 4 per row, and each method's work follows the batch's units.
+known only when it runs; the rule takes P = 4 per row (``expected_units``): a guess at the
+units present, never the slots reserved, so the same rows choose the same methods at any U, and
+each method's work follows the batch's units.
 Either choice is exact for any P.
 
 Assumes: ``per_sample`` ran on a training graph in one process (cp = 1). Guarantees: every
@@ -86,13 +86,21 @@ _PER_UNIT_CALL = 400_000  # each unit's matmul call in the grouped matmul (4 µs
 _FLOAT64 = 4  # a float64 multiply-add of the Grams and the book-keeping (bk: 0.9 ms, fp32 mm: 0.25 ms)
 
 
-def expected_units(rows: int, U: int) -> int:
-    """The units a packed batch of ``rows`` rows and U slots is taken to hold when the graph is
-    built: 4 per row, at most U. A guess at the units present, not the slots: ``train`` reserves
-    up to 16 per row (``packing.unit_slots_per_row``) so that short documents find a slot, and
-    taking every slot to hold a unit would price units of a few tokens, for which ghost norm (in
-    float64) wins, where a batch of longer units runs twice as slow by it."""
-    return max(1, min(U, 4 * rows))
+def expected_units(rows: int) -> int:
+    """The units a packed batch of ``rows`` rows is taken to hold when the graph is built: 4 per
+    row. A guess at the units present, not the slots: ``train`` reserves up to 16 per row
+    (``packing.unit_slots_per_row``) so that short documents find a slot, and taking every slot
+    to hold a unit would price units of a few tokens, for which ghost norm (in float64) wins,
+    where a batch of longer units runs twice as slow by it. Not U (the slots reserved): a method,
+    and so a value, would then depend on it."""
+    return max(1, 4 * rows)
+
+
+def _held_at_most(N: int, rows: int, m: int, n: int) -> int:
+    """``products_held`` before its bound by U: as many as ``train``'s slots, within twice the
+    layer's N token rows."""
+    slots = rows * unit_slots_per_row(N // rows)
+    return max(1, min(slots, 2 * N * (m + n) // (m * n)))
 
 
 def products_held(N: int, rows: int, U: int, m: int, n: int) -> int:
@@ -100,20 +108,19 @@ def products_held(N: int, rows: int, U: int, m: int, n: int) -> int:
     clipped sum (``segment_outer_norms``' capacity): as many as ``train``'s slots (16 per row
     at T = 256, 4 from T = 1024: ``packing.unit_slots_per_row``), at most U, within twice the
     layer's N token rows (the memory the ghost form would keep instead); further ones are formed
-    again. Rows of short documents hold more units than the cost model's guess (4 per row):
-    holding only that many, a tiny Llama's step on 2 rows of 11 units took 40 ms instead of 30,
-    forming the rest twice."""
-    slots = rows * unit_slots_per_row(N // rows)
-    return max(1, min(U, slots, 2 * N * (m + n) // (m * n)))
+    again (the same products: only the speed depends on how many are held). Rows of short
+    documents hold more units than the cost model's guess (4 per row): holding only that many,
+    a tiny Llama's step on 2 rows of 11 units took 40 ms instead of 30, forming the rest twice."""
+    return max(1, min(U, _held_at_most(N, rows, m, n)))
 
 
-def packed_prefers_ghost(N: int, rows: int, U: int, m: int, n: int) -> tuple[bool, str]:
-    """Ghost norm for a packed (m, n) weight read by N token rows in ``rows`` rows with U unit slots,
-    and the comparison, in multiply-adds (see the module docstring)."""
-    units = expected_units(rows, U)
+def packed_prefers_ghost(N: int, rows: int, m: int, n: int) -> tuple[bool, str]:
+    """Ghost norm for a packed (m, n) weight read by N token rows in ``rows`` rows, and the
+    comparison, in multiply-adds (see the module docstring); whatever the unit slots U."""
+    units = expected_units(rows)
     tokens = -(-N // units)  # a unit's, on average
     each = _PER_UNIT_PASS * m * n + _PER_UNIT_CALL
-    again = max(0, units - products_held(N, rows, U, m, n))  # products formed a second time
+    again = max(0, units - _held_at_most(N, rows, m, n))  # products formed a second time
     per_unit = N * m * n + units * each + again * (tokens * m * n + each)
     ghost = _FLOAT64 * (N * m * n + N * min(tokens * (m + n), m * n))
     compare = "≤" if ghost <= per_unit else ">"
@@ -134,7 +141,7 @@ def ghost_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         left, right = operands
         if ctx.packed_units:
             N, m, n = val(left).shape[0], val(left).shape[1], val(right).shape[1]
-            ghost, compare = packed_prefers_ghost(N, gm.meta["packing"].rows, ctx.packed_units, m, n)
+            ghost, compare = packed_prefers_ghost(N, gm.meta["packing"].rows, m, n)
         else:
             T, m, n = val(left).shape[1], val(left).shape[2], val(right).shape[2]
             ghost = prefers_ghost(T, m, n)

@@ -193,16 +193,17 @@ def test_a_layers_token_rows_are_let_go_after_its_per_unit_norms_where_every_pro
 
 @pytest.mark.parametrize("ghost", [True, False])
 def test_the_unit_slots_change_no_value(setup, ghost):
-    """The same tokens and units at U = 32 and U = 1024 slots (the extra slots empty), by ghost norm
-    and book-keeping (the cost model's choice for these small layers) and by per-unit products
-    (ghost_norm off): the same norm methods, and bitwise the same per-unit norms and clipped sum.
+    """The same tokens and units at U = 8 (fewer than the 4 units a row the cost model guesses),
+    32 and 1024 slots (the extra slots empty), by ghost norm and book-keeping (the cost model's
+    choice for these small layers) and by per-unit products (ghost_norm off): the same norm
+    methods, and bitwise the same per-unit norms and clipped sum.
     The work of every op follows the units present, and no value depends on the slots a fixed
     shape reserves (not even the book-keeping's rounding allowance, counted by tokens)."""
     lm, engine = setup
     units = _units(seed=2)
     (pb, *_), _ = pack_documents(units, seq_len=T, rows=ROWS, unit_slots=U)
     results = []
-    for slots in (32, 1024):
+    for slots in (U, 32, 1024):
         relabelled = torch.where(pb.units == U, slots, pb.units)  # U was the padding slot
         e = lf.compile(lf.PackedCausalLMLoss(lm), config=engine.config, packed_units=slots,
                        disable_passes=() if ghost else ("ghost_norm",))
@@ -214,10 +215,12 @@ def test_the_unit_slots_change_no_value(setup, ghost):
         assert bool((norms[len(pb.members):] == 0).all())
         e.finalize(LogicalBatch(len(pb.members), torch.arange(len(pb.members)), [], 1.0, 1.0))
         results.append((methods, norms[:len(pb.members)], {n: p.grad.clone() for n, p in lm.named_parameters()}))
-    (m32, n32, g32), (m1024, n1024, g1024) = results
-    assert m32 == m1024 and any(m.startswith("ghost") for m in m32.values()) == ghost
-    assert torch.equal(n32, n1024)
-    assert all(torch.equal(g32[n], g1024[n]) for n in g32)
+    (m0, n0, g0), *others = results
+    assert any(m.startswith("ghost") for m in m0.values()) == ghost
+    for methods, norms, grads in others:
+        assert methods == m0
+        assert torch.equal(norms, n0)
+        assert all(torch.equal(grads[n], g0[n]) for n in g0)
 
 
 def test_adding_a_unit_moves_the_clipped_sum_by_at_most_c(setup):
