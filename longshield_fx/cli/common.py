@@ -49,6 +49,7 @@ def _number(kind, minimum, strict):
 
 positive_int, nonneg_int = _number(int, 0, True), _number(int, 0, False)
 positive_float, nonneg_float = _number(float, 0, True), _number(float, 0, False)
+EXPECTED_BATCH_SIZE = 8.0  # train's default E[units] per logical batch, which inspect --packed takes too
 
 
 def add_model_args(p: argparse.ArgumentParser, seq_len_default: int) -> None:

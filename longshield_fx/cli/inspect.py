@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from .common import CLIError, Formatter, add_model_args, check_seq_len, positive_int, rank, say, setup_distributed, \
-    under_torchrun
+from .common import EXPECTED_BATCH_SIZE, CLIError, Formatter, add_model_args, check_seq_len, positive_float, \
+    positive_int, rank, say, setup_distributed, under_torchrun
 from .models import build_model, check_model_flags
 
 DESCRIPTION = (
@@ -46,8 +46,13 @@ def add_parser(sub) -> None:
     i.add_argument("--inner-ring", type=positive_int, default=None, metavar="W",
                    help="double-ring attention: inner rings of W cp ranks (default: one ring)")
     i.add_argument("--packed", action="store_true",
-                   help="packed documents: the --physical-batch-size rows hold up to 4 units per row, each its own "
-                   "privacy unit (the graph `train --data` runs on one process or on each data-parallel rank)")
+                   help="packed documents, each unit its own privacy unit: the graph `train --data` runs (on one "
+                   "process or on each data-parallel rank) for physical batches of --physical-batch-size rows (train "
+                   "prints its own: 'packed into physical batches of N rows') and its unit slots for "
+                   "--expected-batch-size")
+    i.add_argument("--expected-batch-size", type=positive_float, default=EXPECTED_BATCH_SIZE, metavar="E",
+                   help="with --packed: train's expected units per logical batch, which bound its unit slots "
+                   "(packing.unit_slots_for; default: train's, %(default)g)")
     i.add_argument("--timeline", choices=list(HARDWARE), nargs="?", const="H100-NVLink", default=None,
                    help="draw the cost-model compute/communication timeline for this hardware to timeline.png in "
                    "--out and print the exposed communication (default: none; the flag alone: H100-NVLink)")
@@ -240,7 +245,7 @@ def _lower_packed(args, model, mesh, config, checkpoint, ids):
     if why:
         raise CLIError(f"inspect --packed: {why}")
     rows, T = ids.shape
-    U = unit_slots_for(rows, T)
+    U = unit_slots_for(rows, T, args.expected_batch_size)
     engine = lf.compile(lf.PackedCausalLMLoss(model.lm), mesh, config=config, checkpoint=checkpoint,
                         packed_units=U, inner_ring=args.inner_ring)
     flat = ids.flatten().tolist()  # documents of 1 to T/2 tokens cut from the random rows, one unit each

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from .common import Formatter, add_model_args, nonneg_float, nonneg_int, positive_float, positive_int, \
-    setup_distributed
+from .common import EXPECTED_BATCH_SIZE, Formatter, add_model_args, nonneg_float, nonneg_int, positive_float, \
+    positive_int, setup_distributed
 from .job import Job
 from .train_build import announce, compile_run, restore
 from .train_data import add_data_args, build_model_for
@@ -76,7 +76,7 @@ def _rate(text: str) -> float:
 def _privacy_args(p) -> None:
     p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (Poisson logical batches)")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--expected-batch-size", type=positive_float, default=8.0, metavar="E",
+    rate.add_argument("--expected-batch-size", type=positive_float, default=EXPECTED_BATCH_SIZE, metavar="E",
                       help="expected logical batch size; the sampling rate is q = E/N. N, the number of units, is "
                       "private, and q (published with ε) and E together give it exactly: pass --sample-rate to "
                       "publish q as your own choice instead")

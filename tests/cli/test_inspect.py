@@ -209,7 +209,8 @@ def test_inspect_packed_shows_the_unit_slots_and_each_parameters_per_unit_method
     from longshield_fx.packing import empty_batch, unit_slots_for
 
     text = run_inspect("-T", T, "--packed", "--out", tmp_path)
-    U = unit_slots_for(B, T)
+    U = unit_slots_for(B, T, 8)  # train's unit slots at its default --expected-batch-size
+    assert U < unit_slots_for(B, T)
     assert f"packed documents: {U} unit slots per physical batch" in text
     engine = lf.compile(lf.PackedCausalLMLoss(_model().lm), config=lf.DPConfig(1.0, 1.0), packed_units=U)
     methods = engine.lower(*empty_batch(B, T, U).tensors()).norm_methods
