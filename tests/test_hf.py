@@ -396,13 +396,14 @@ def test_a_unit_column_makes_each_persons_rows_one_unit_as_the_engine_loop_does(
 def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, tmp_path):
     """``pack_seq_len``: rows are documents of any length, packed into 4 x 32 physical batches (a
     logical batch's last may be 2 x 32), each document one unit; the trainer's model equals the
-    engine's loop over ``PackedPoissonBatches`` of the same documents, bit for bit."""
+    engine's loop over ``PackedPoissonBatches`` of the same documents, bit for bit, and its logged
+    loss is the loop's mean over the tokens predicted (a piece's first token predicts nothing)."""
     gen = torch.Generator().manual_seed(2)
     docs = [torch.randint(3, 300, (int(n),), generator=gen).tolist()
             for n in torch.randint(4, 60, (24,), generator=gen)]
     args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
                                           learning_rate=1e-2, save_strategy="no", report_to="none", use_cpu=True,
-                                          lr_scheduler_type="constant")
+                                          lr_scheduler_type="constant", logging_steps=1)
     model = transformers.AutoModelForCausalLM.from_pretrained(folders[1])
     trainer = DPTrainer(model=model, args=args, train_dataset=[{"input_ids": d} for d in docs],
                         privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=8, pack_seq_len=32,
@@ -420,15 +421,22 @@ def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, 
     engine = lf.compile(lf.PackedCausalLMLoss(lm), config=lf.DPConfig(1.0, 1.0, insecure_seed=SEED), packed_units=U)
     optimizer = transformers.Trainer(model=lm, args=args).create_optimizer()
     draws = iter(sampler)
+    losses = []
     for _ in range(3):
         batch = next(draws)
+        loss, predicted = 0.0, 0
         for tensors, _ in batch.physical:
-            engine.accumulate(*tensors)
+            loss += float(engine.accumulate(*tensors))
+            ids, labels, positions, units = tensors
+            predicted += int(((labels != -100) & (positions > 0)).sum())
+        losses.append(loss / predicted)
         engine.finalize(batch)
         optimizer.step()
         lm.zero_grad()
     for (name, ours), theirs in zip(model.named_parameters(), lm.parameters(), strict=True):
         assert torch.equal(ours, theirs), name
+    logged = [entry["loss_not_dp"] for entry in trainer.state.log_history if "loss_not_dp" in entry]
+    assert logged == pytest.approx(losses, abs=1e-4)
 
 
 def _lengths_seen(collate, seen: list):

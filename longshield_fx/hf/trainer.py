@@ -218,10 +218,11 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
             self.optimizer.train()  # schedule-free optimizers keep train and eval weights
         loss, tokens = 0.0, 0
         for tensors, mask in inputs.share(self._dp_rank, self._dp):
-            if self.privacy.pack_seq_len:  # (ids, labels, positions, unit slots); the slots say who is in it
+            if self.privacy.pack_seq_len:  # (ids, labels, positions, unit slots)
                 batch = [t.to(self.args.device) for t in tensors]
                 loss += float(self.engine.accumulate(*batch))
-                tokens += int((batch[3] < self._sampler.unit_slots).sum())
+                # the tokens predicted: a piece's first (position 0) predicts nothing, padding neither
+                tokens += int(((batch[1] != -100) & (batch[2] > 0)).sum())
                 continue
             ids, labels = self._physical(tensors[0])
             loss += float(self.engine.accumulate(ids, labels, mask=mask))
