@@ -63,6 +63,10 @@ class LogicalBatch:
         draw splits unevenly, or run graphs of different shapes side by side."""
         if replicas == 1:
             return list(self.physical)
+        if self.blank is None and self.physical[0][1] is None:
+            raise ValueError("LogicalBatch.share: packed batches (mask None) need blank=, a batch of no unit "
+                             "(packing.empty_batch(rows, seq_len, unit_slots).tensors(), None), to even out the "
+                             "groups: a copy of a real one would clip its units twice. PackedPoissonBatches sets it")
         blank = self.blank or (self.physical[0][0], torch.zeros_like(self.physical[0][1]))
         by_rows: dict[int, list] = {}
         for item in self.physical:

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from longshield_fx.data import LogicalBatch
 from longshield_fx.packing import PackedPoissonBatches, pack_documents, row_counts, unit_pieces
 
 
@@ -136,6 +137,16 @@ def test_data_parallel_groups_run_batches_of_the_same_rows_side_by_side():
     assert [[t[0].shape[0] for t, _ in m] for m in mine] == [[8, 8, 4, 2], [8, 8, 4, 2]]
     real = [t for m in mine for t, _ in m if bool((t[3] < 64).any())]
     assert len(real) == 6 and sum(len(set(t[3].flatten().tolist()) - {64}) for t in real) == batch.size == 31
+
+
+def test_packed_batches_shared_without_a_blank_are_refused_by_name():
+    """A packed logical batch made by hand, with no ``blank``: sharing it would have to pad a group
+    with a copy of a real batch (its units clipped twice); it is refused, naming the way out."""
+    packed, _ = pack_documents([[[1] * 4]] * 10, seq_len=4, rows=4, unit_slots=8)
+    batch = LogicalBatch(10, torch.arange(10), [(p.tensors(), None) for p in packed], 1.0, 10.0)
+    assert batch.share(0, 1) == batch.physical
+    with pytest.raises(ValueError, match=r"need blank=.*empty_batch.*clip its units twice"):
+        batch.share(0, 2)
 
 
 def test_a_unit_with_nothing_to_predict_is_refused():
