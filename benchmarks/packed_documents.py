@@ -91,8 +91,14 @@ def padded_batches(units: list, indices: list, seq_len: int, R: int, B: int) -> 
 
 
 def packed_batches(units: list, indices: list, seq_len: int, rows: int, slots: int) -> tuple[list, int, int]:
+    """The packed physical batches of the units ``indices`` (a draw of none: one blank batch of the
+    fewest rows, as ``PackedPoissonBatches``), the tokens they predict (each piece kept but its
+    first: packing keeps a unit's longest ``rows`` pieces) and their padding slots."""
     packed, stats = pack_documents([units[i] for i in indices], seq_len=seq_len, rows=rows, unit_slots=slots)
-    tokens = sum(len(p) - 1 for i in indices for p in unit_pieces(units[i], seq_len)[:rows])
+    if not packed:
+        blank = empty_batch(row_counts(rows)[-1], seq_len, slots)
+        return [blank.tensors()], 0, blank.input_ids.numel()
+    tokens = stats.token_slots - stats.padding_slots - stats.pieces
     return [pb.tensors() for pb in packed], tokens, stats.padding_slots
 
 
@@ -169,6 +175,9 @@ def main() -> None:
     acct.step(1.0, q, n=1000)
     eps = acct.epsilon(1e-5)
     med = {k: statistics.median(r[0] for r in v) for k, v in rows_out.items()}
+    if not med["padded"]:
+        raise SystemExit(f"packed_documents: the median logical batch drew no unit (E[units] = {q * N:g}): "
+                         "tokens per second compare nothing; raise --expected-units or --repeats")
     lines = [
         f"Model {args.model}, T = {T}, {N} units ({'text files under ' + args.data if args.data else 'synthetic, log-normal lengths'}), "
         f"E[units] = {q * N:g} per logical batch (q = {q:.4g}), C = 1, σ = 1: after 1000 steps ε = {eps:.2f} per "
