@@ -39,7 +39,8 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
     ``packing.packed_rows``), a logical batch's last ones of half as many, a quarter, ...;
     holding up to ``packing.unit_slots_per_row(T)`` units per row and at most 2·E + 8
     (``packing.unit_slots_for``); Poisson sampling over units (``packing.PackedPoissonBatches``).
-    Each row count's graph is captured here, before the first step."""
+    Each row count's graph is captured here, before the first step, the largest on random
+    documents, so that the isolation probe runs (``_probe_example``)."""
     import longshield_fx as lf
 
     from ..errors import UnsupportedModelError
@@ -51,13 +52,26 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
                             fsdp=job.fsdp, packed_units=job.unit_slots)
     try:  # every row count a logical batch may end in, captured now: no step pays for a capture
-        for count in row_counts(rows):
+        job.engine.lower(*(t.to(job.device) for t in _probe_example(job.model.lm, rows, args.seq_len)))
+        for count in row_counts(rows)[1:]:
             job.engine.lower(*(t.to(job.device) for t in empty_batch(count, args.seq_len, job.unit_slots).tensors()))
     except UnsupportedModelError as e:
         raise CLIError(f"{job.model_name} cannot be trained with DP by longshield_fx: {e}") from None
     job.opt = torch.optim.AdamW(job.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     job.batches = PackedPoissonBatches(job.corpus.pieces(), job.q, seq_len=args.seq_len, rows=rows,
                                        unit_slots=job.unit_slots, insecure_seed=args.insecure_seed, steps=args.steps)
+
+
+def _probe_example(lm, rows: int, T: int) -> tuple:
+    """A packed batch of ``rows`` random documents of T tokens (one unit; public values, none of
+    the corpus), whose tokens have gradients: lowered on it, the engine's isolation probe runs
+    (a batch of padding gives it nothing to watch) and refuses, by name, a model that lets a
+    row's units reach each other."""
+    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    vocab = min(256, embeddings.num_embeddings) if embeddings is not None else 256
+    ids = torch.randint(0, vocab, (rows, T), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(T).expand(rows, T).contiguous()
+    return ids, ids.clone(), positions, torch.zeros_like(ids)
 
 
 def _lower_or_refuse(job: Job, dataset) -> None:

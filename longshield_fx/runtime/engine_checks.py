@@ -68,6 +68,8 @@ def check_units_apart(batch: tuple, probe_norms: Callable[[tuple], torch.Tensor]
                                      (moved(after_second, 0), 0, after_second, "the second"), key=lambda w: w[0])
     change = agree(change if change == change else math.inf)  # a nan moved it as far as anything can
     if change <= tolerance:
+        log.info("engine: the packed isolation probe passed: a unit's norm moved by %.2g (relative) at most when "
+                 "only another unit's tokens changed", change)
         return
     repeats = [probe_norms(unchanged) for _ in range(2)]
     jitter = max(moved(norms, u) for norms in repeats for u in (0, 1))
