@@ -126,6 +126,9 @@ def zoo(args) -> None:
     import hf_zoo
     names = args.names or hf_zoo.architectures()
     outs = [f"/tmp/gpu_zoo_{i}.json" for i in range(args.workers)]
+    for out in outs:  # a warm machine keeps the last call's: never count them as this one's
+        if os.path.exists(out):
+            os.remove(out)
     procs = [subprocess.Popen([sys.executable, __file__, "_zoo_worker", f"--dtype={args.dtype}", f"--out={out}",
                               *names[i::args.workers]], stdout=sys.stderr) for i, out in enumerate(outs)]
     for p in procs:
@@ -235,13 +238,7 @@ def step_worker(method: str, seq_len: int, checkpoint: str, out: str, device: st
         config = lf.DPConfig(1.0, 1.0, compute_dtype=torch.bfloat16)
         inductor = method.endswith("-inductor")  # the rewritten graph through inductor
         if method.removesuffix("-inductor") == "dp-packed":
-            from longshield_fx.packing import pack_documents
-            # U + 1 copies of every parameter the cost model keeps per-sample (the embedding) must fit
-            # beside the model: 4 slots, documents of median T/2.
-            g = torch.Generator().manual_seed(0)
-            lengths = torch.exp(torch.randn(16, generator=g) + torch.log(torch.tensor(seq_len / 2))).long()
-            units = [[torch.randint(0, lm.cfg.vocab_size, (max(2, int(n)),), generator=g).tolist()] for n in lengths]
-            (packed, *_), _ = pack_documents(units, seq_len=seq_len, rows=2, unit_slots=4)
+            packed = _step_packed_batch(seq_len, lm.cfg.vocab_size)
             batch = tuple(t.to(dev) for t in packed.tensors())
             model = lf.PackedCausalLMLoss(lm)
             engine = lf.compile(model, config=config, checkpoint=None if checkpoint == "none" else checkpoint,
@@ -303,18 +300,25 @@ def step(args) -> None:
     rows, began = [], time.perf_counter()
     for case in args.cases:
         seq_len, checkpoint = int(case.split(":")[0]), case.split(":")[1]
-        if time.perf_counter() - began > args.budget:
-            print(f"budget of {args.budget} s spent: {case} not run", file=sys.stderr, flush=True)
-            continue
         row = {}
         for method in args.methods:
+            left = args.budget - (time.perf_counter() - began)  # checked per cell: a cell may take the timeout
+            if left <= 0:
+                print(f"budget of {args.budget} s spent: {method} at {case} not run", file=sys.stderr, flush=True)
+                row[method] = {"error": "not run (budget)"}
+                continue
             out = f"/tmp/gpu_step_{method}_{seq_len}_{checkpoint}.json"
+            if os.path.exists(out):  # a warm machine keeps the last call's: never print it as this one's
+                os.remove(out)
             try:
                 subprocess.run([sys.executable, __file__, "_step_worker", method, str(seq_len), checkpoint, out],
-                               env=env, timeout=args.timeout)
+                               env=env, timeout=max(1.0, min(args.timeout, left)))
             except subprocess.TimeoutExpired:
                 pass
-            row[method] = json.load(open(out)) if os.path.exists(out) else {"error": "worker died or timed out"}
+            try:
+                row[method] = json.load(open(out))
+            except (OSError, ValueError):  # none written, or cut off mid-write
+                row[method] = {"error": "worker died or timed out"}
             profile = row[method].pop("profile", None)
             print(json.dumps(row[method]), file=sys.stderr, flush=True)
             if profile:
@@ -516,13 +520,28 @@ def ring_merge_exactness(device) -> None:
             for n in ("out", "lse", "dq", "dk", "dv")) + " |")
 
 
-def _step_documents(T: int, g: torch.Generator) -> torch.Tensor:
-    """(1, T) ids of documents of log-normal lengths (median T/2), as ``step``'s packed rows hold."""
-    lengths = torch.exp(torch.randn(64, generator=g) + torch.log(torch.tensor(T / 2))).long().clamp(min=2)
-    ends = lengths.cumsum(0)
-    lengths = lengths[: int((ends < T).sum()) + 1]
-    lengths[-1] -= int(lengths.sum()) - T
-    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
+def _step_packed_batch(T: int, vocab: int):
+    """``step``'s packed batch: two rows of T holding documents of log-normal lengths (median T/2),
+    4 unit slots (U + 1 copies of every parameter the cost model keeps per-sample, the embedding,
+    must fit beside the model)."""
+    from longshield_fx.packing import pack_documents
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.exp(torch.randn(16, generator=g) + torch.log(torch.tensor(T / 2))).long()
+    units = [[torch.randint(0, vocab, (max(2, int(n)),), generator=g).tolist()] for n in lengths]
+    (packed, *_), _ = pack_documents(units, seq_len=T, rows=2, unit_slots=4)
+    return packed
+
+
+def _step_documents(T: int) -> torch.Tensor:
+    """(1, T) document ids of the row of ``step``'s packed batch that holds the most units (the
+    other is one document, which cuDNN's causal kernel takes whole): its runs, and its padding
+    (5% of it) as one more document here, where the step's op takes each padding token alone."""
+    from longshield_fx.losses import document_segments
+    packed = _step_packed_batch(T, 128256)
+    row = max(range(2), key=lambda r: len(set(packed.units[r].tolist())))
+    padding = packed.units[row:row + 1] == 4
+    segments = document_segments(packed.position_ids[row:row + 1], packed.units[row:row + 1])[1]
+    return torch.where(padding, int(segments[~padding].max()) + 1, segments)
 
 
 def attention_speed(device, seq_lens) -> None:
@@ -545,7 +564,7 @@ def attention_speed(device, seq_lens) -> None:
           "ms / peak GiB | ours / causal |")
     print("|---|---|---|---|---|---|---|---|")
     for seq_len in seq_lens:
-        for layout, segments in (("9 docs", _document_ids(1, seq_len, 8, g)), ("step's", _step_documents(seq_len, g))):
+        for layout, segments in (("9 docs", _document_ids(1, seq_len, 8, g)), ("step's", _step_documents(seq_len))):
             lengths = torch.unique_consecutive(segments[0], return_counts=True)[1].double()
             share = float(lengths.pow(2).sum()) / seq_len**2
             q = torch.randn(1, 32, seq_len, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -587,11 +606,12 @@ def attention_speed(device, seq_lens) -> None:
                     print(f"{name} at T={seq_len}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
                     cells[name] = None
             fmt = {n: "OOM" if c is None else f"{c[0]:.2f} / {c[1]:.2f}" for n, c in cells.items()}
-            with torch.no_grad():
-                reference = runs["ours"]().float()
-                for name in ("per_doc", "flex"):
-                    if cells[name]:
-                        fmt[name] += f" (out vs ours {float((runs[name]().float() - reference).abs().max()):.0e})"
+            if cells["ours"]:  # the others' outputs against ours (none to compare with where ours failed)
+                with torch.no_grad():
+                    reference = runs["ours"]().float()
+                    for name in ("per_doc", "flex"):
+                        if cells[name]:
+                            fmt[name] += f" (out vs ours {float((runs[name]().float() - reference).abs().max()):.0e})"
             ratio = f"{cells['ours'][0] / cells['causal'][0]:.2f}" if cells["ours"] and cells["causal"] else "-"
             print(f"| {seq_len} | {layout}: {len(lengths)} ({share:.3f}) | {fmt['causal']} | {fmt['ours']} | "
                   f"{fmt['mask']} | {fmt['per_doc']} | {fmt['flex']} | {ratio} |", flush=True)
@@ -666,11 +686,13 @@ def main() -> None:
     z.add_argument("names", nargs="*")
     sub.add_parser("dropout")
     s = sub.add_parser("step")
-    s.add_argument("--cases", nargs="+", default=[f"{t}:{c}" for t in (4096, 16384, 32768) for c in ("none", "block")],
-                   help="T:checkpoint pairs, run in this order")
+    s.add_argument("--cases", nargs="+", default=[f"{t}:block" for t in (4096, 16384, 32768)],
+                   help="T:checkpoint pairs, run in this order (default: block checkpointing, which fits each "
+                   "method at 32k; at 32768:none dp-packed runs out of memory)")
     s.add_argument("--timeout", type=int, default=300, help="seconds per worker process")
     s.add_argument("--methods", nargs="+", default=["eager", "dp", "dp-packed"])
-    s.add_argument("--budget", type=float, default=float("inf"), help="start no case after this many seconds")
+    s.add_argument("--budget", type=float, default=float("inf"),
+                   help="start no cell after this many seconds, and stop a cell's worker when they are spent")
     s.add_argument("--profile", action="store_true", help="also print one step's kernels (torch.profiler) per cell")
     k = sub.add_parser("packed")
     k.add_argument("--device", default="cuda")
