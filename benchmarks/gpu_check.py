@@ -38,7 +38,9 @@ results); the table compares seconds per 1k document tokens, since it runs about
 ``packed``: packed documents on ``--device`` against the CPU. Exactness: the reference "small"
 Llama (fp32, TF32 off) on a packed batch (4 rows of 256, 16 unit slots, documents split across
 rows): each unit's gradient and norm against each unit run alone on the CPU in float64, and the clipped
-sum (σ = 0) against the engine's own on the CPU. The document attention op (cp = 1) on CUDA in fp32
+sum (σ = 0) against the engine's own on the CPU; then all 16 units as one logical batch in the batches
+of 4 and 2 rows packing makes (a graph per row count) against the same on the CPU. Each section runs
+on if the one before fails. The document attention op (cp = 1) on CUDA in fp32
 and bf16 against the float64 CPU oracle, beside SDPA under the boolean mask (the dtype's floor): a
 row of many documents beside a row of one, then every row one document; its isolation; and the
 ring's merge of two blocks on one process, in bf16, with flash's kernels and with cuDNN's. Speed
@@ -387,21 +389,43 @@ def packed(args) -> None:
         engine.finalize(LogicalBatch(len(alone), torch.arange(len(alone)), [], 1.0, 1.0))
         return grads, norms, {f"lm.{n}": p.grad.double().cpu() for n, p in model.lm.named_parameters()}
 
-    grads, norms, summed = clipped_sum(device)
-    per_unit = max(_rel({n: g[slot] for n, g in grads.items()}, ref) for slot, ref in enumerate(alone))
-    true = torch.tensor([sum(float(v.pow(2).sum()) for v in ref.values()) ** 0.5 for ref in alone])
-    # The clip factor's denominator holds the float64 book-keeping rounding bound κ·A_u by design (clip.py),
-    # so the clipped sum is compared with the same engine's on the CPU, not with an oracle's factor.
-    clipped = _rel(summed, clipped_sum(torch.device("cpu"))[2])
+    def logical_batch(dev):
+        """Every unit, in the batches of 4 and 2 rows packing makes, accumulated as one logical
+        batch on ``dev``: (clipped sum, the row counts, captures)."""
+        batches, _ = pack_documents(units, seq_len=T, rows=4, unit_slots=16)
+        model = lf.PackedCausalLMLoss(copy.deepcopy(lm).to(dev))
+        engine = lf.compile(model, config=lf.DPConfig(C, 0.0, insecure_seed=0), packed_units=16)
+        for batch in batches:
+            engine.accumulate(*(t.to(dev) for t in batch.tensors()))
+        engine.finalize(LogicalBatch(len(units), torch.arange(len(units)), [], 1.0, 1.0))
+        rows = [b.input_ids.shape[0] for b in batches]
+        return {f"lm.{n}": p.grad.double().cpu() for n, p in model.lm.named_parameters()}, rows, engine.captures
+
     print(f"## packed documents on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}\n")
-    print(f"small Llama fp32, {len(alone)} units in 4 rows of {T}: per-unit gradients rel. err. {per_unit:.2e}, "
-          f"norms {float(((norms[:len(alone)] - true).abs() / true).max()):.2e} (against each unit alone, CPU "
-          f"float64); clipped sum {clipped:.2e} (against the engine on the CPU)\n")
+    try:  # each section alone: a failure here leaves the attention checks to run
+        grads, norms, summed = clipped_sum(device)
+        per_unit = max(_rel({n: g[slot] for n, g in grads.items()}, ref) for slot, ref in enumerate(alone))
+        true = torch.tensor([sum(float(v.pow(2).sum()) for v in ref.values()) ** 0.5 for ref in alone])
+        # The clip factor's denominator holds the float64 book-keeping rounding bound κ·A_u by design (clip.py),
+        # so the clipped sum is compared with the same engine's on the CPU, not with an oracle's factor.
+        clipped = _rel(summed, clipped_sum(torch.device("cpu"))[2])
+        print(f"small Llama fp32, {len(alone)} units in 4 rows of {T}: per-unit gradients rel. err. {per_unit:.2e}, "
+              f"norms {float(((norms[:len(alone)] - true).abs() / true).max()):.2e} (against each unit alone, CPU "
+              f"float64); clipped sum {clipped:.2e} (against the engine on the CPU)\n")
+        whole, rows, captures = logical_batch(device)
+        print(f"all {len(units)} units as one logical batch, in batches of {' / '.join(map(str, rows))} rows "
+              f"({captures} captures): clipped sum rel. err. {_rel(whole, logical_batch(torch.device('cpu'))[0]):.2e} "
+              f"(against the engine on the CPU)\n", flush=True)
+    except Exception as e:
+        print(f"packed engine on {device}: {type(e).__name__}: {str(e).splitlines()[0][:300]}\n", flush=True)
     if device.type != "cuda":
         return
-    attention_exactness(device)
-    attention_speed(device, args.seq_lens)
+    for section in (lambda: attention_exactness(device), lambda: attention_speed(device, args.seq_lens)):
+        try:
+            section()
+        except Exception as e:
+            print(f"packed on {device}: {type(e).__name__}: {str(e).splitlines()[0][:300]}\n", flush=True)
 
 
 def _document_ids(B: int, T: int, docs: int, g: torch.Generator) -> torch.Tensor:
