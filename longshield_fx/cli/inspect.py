@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
                    "--expected-batch-size")
     i.add_argument("--expected-batch-size", type=positive_float, default=EXPECTED_BATCH_SIZE, metavar="E",
                    help="with --packed: train's expected units per logical batch, which bound its unit slots "
-                   "(packing.unit_slots_for; default: train's, %(default)g)")
+                   "(packing.unit_slots_for); the default is train's")
     i.add_argument("--timeline", choices=list(HARDWARE), nargs="?", const="H100-NVLink", default=None,
                    help="draw the cost-model compute/communication timeline for this hardware to timeline.png in "
                    "--out and print the exposed communication (default: none; the flag alone: H100-NVLink)")
