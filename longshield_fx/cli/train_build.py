@@ -39,7 +39,7 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
     ``packing.packed_rows``), a logical batch's last ones of half as many, a quarter, ...;
     holding up to ``packing.unit_slots_per_row(T)`` units per row and at most 2·E + 8
     (``packing.unit_slots_for``); Poisson sampling over units (``packing.PackedPoissonBatches``).
-    Each row count's graph is captured here, before the first step, the largest on random
+    Each row count's graph is captured here, before the first step, the fewest rows' on random
     documents, so that the isolation probe runs (``_probe_example``)."""
     import longshield_fx as lf
 
@@ -52,8 +52,9 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
                             fsdp=job.fsdp, packed_units=job.unit_slots)
     try:  # every row count a logical batch may end in, captured now: no step pays for a capture
-        job.engine.lower(*(t.to(job.device) for t in _probe_example(job.model.lm, rows, args.seq_len)))
-        for count in row_counts(rows)[1:]:
+        *larger, fewest = row_counts(rows)  # the probe's runs on the fewest rows cost least
+        job.engine.lower(*(t.to(job.device) for t in _probe_example(job.model.lm, fewest, args.seq_len)))
+        for count in larger:
             job.engine.lower(*(t.to(job.device) for t in empty_batch(count, args.seq_len, job.unit_slots).tensors()))
     except UnsupportedModelError as e:
         raise CLIError(f"{job.model_name} cannot be trained with DP by longshield_fx: {e}") from None

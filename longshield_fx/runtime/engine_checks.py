@@ -33,8 +33,8 @@ def check_units_apart(batch: tuple, probe_norms: Callable[[tuple], torch.Tensor]
     next unit's first fails here). Three runs of the train graph at capture (``probe_norms``: a
     batch's per-unit norms); skipped for fake tensors and on a fake process group (its
     collectives leave their outputs unfilled), for a batch whose values cannot be varied, and
-    where a unit has no gradient to watch (a batch of padding, as the CLI compiles its smaller
-    row counts on: its largest, on random documents, is probed).
+    where a unit has no gradient to watch (a batch of padding, as the CLI compiles its larger
+    row counts on: its fewest rows', on random documents, are probed).
 
     A change above the rounding tolerance is measured against the kernels' own run-to-run
     jitter: two more runs of the unchanged batch. GPU kernels that accumulate with atomics

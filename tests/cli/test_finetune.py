@@ -85,7 +85,7 @@ def test_own_model_and_documents_train_and_the_saved_model_reloads(world, caplog
     with caplog.at_level(logging.INFO, logger="longshield_fx"):
         r = run_in_process(["train", "--model", world / "random", "--data", world / "data", *QUICK, "--out", run], world)
     assert r.returncode == 0, r.stderr
-    # The largest row count's graph was captured on a batch the isolation probe could vary: it ran.
+    # One row count's graph was captured on a batch the isolation probe could vary: it ran.
     assert "the packed isolation probe passed" in caplog.text
     # The loader's report: units, rows, truncation, the skipped non-UTF-8 file.
     assert "data: " in r.stdout and "50 units (50 documents)" in r.stdout and "4 rows per unit" in r.stdout
