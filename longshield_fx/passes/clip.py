@@ -128,9 +128,14 @@ def clip(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 denominator = _plus(b, denominator, [rounding[name]] if name in rounding else [])
                 factors[name] = _min1(b, _ratio(b, threshold, denominator))
         # A factor below fp32's smallest normal number rounds to fp32 with an error far above 2**-24
-        # of it (a gradient norm above ~1e38·C): its sample contributes 0 instead.
-        factors = {name: b(aten.where.ScalarOther, b(aten.logical_and.default, keep, b(aten.ge.Scalar, f, _FP32_TINY)),
-                           f, 0.0) for name, f in factors.items()}
+        # of it (a gradient norm above ~1e38·C): its sample contributes 0 instead. Once per factor
+        # (flat clipping has one for every parameter).
+        usable = {}
+        for f in factors.values():
+            if f not in usable:
+                normal = b(aten.logical_and.default, keep, b(aten.ge.Scalar, f, _FP32_TINY))
+                usable[f] = b(aten.where.ScalarOther, normal, f, 0.0)
+        factors = {name: usable[f] for name, f in factors.items()}
         if packed:
             sums = {name: packed.clipped_sum(name, grads[name], factors[name], keep) for name in names}
         else:
