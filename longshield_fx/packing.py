@@ -192,9 +192,10 @@ def unit_slots_for(rows: int, seq_len: int, expected_units: float | None = None)
     is given: a physical batch holds no more units than its logical batch, which draws more
     than 2·E + 8 of them with a probability below 1e-5 (Poisson), and then only starts another
     batch. Fewer slots hold less: the dense per-unit gradients (norm weights, a tied LM head)
-    keep one row per slot."""
+    keep one row per slot. E may come as q·N, a float a rounding below the E that q was taken
+    from (8 / 49 · 49 < 8): it is read to 1e-9, so that both give the same slots."""
     slots = rows * unit_slots_per_row(seq_len)
-    return slots if expected_units is None else max(1, min(slots, int(2 * expected_units) + 8))
+    return slots if expected_units is None else max(1, min(slots, int(2 * expected_units + 1e-9) + 8))
 
 
 def empty_batch(rows: int, seq_len: int, unit_slots: int, pad_id: int = 0) -> PackedBatch:

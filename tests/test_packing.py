@@ -206,6 +206,8 @@ def test_the_clis_unit_slots_leave_room_for_short_documents():
 
     assert [unit_slots_per_row(T) for T in (64, 256, 512, 1024, 32768)] == [16, 16, 8, 4, 4]
     assert unit_slots_for(16, 256) == unit_slots_for(16, 256, 128) == 256 and unit_slots_for(16, 256, 24) == 56
+    # E as the sampler's q·N (train) or as given (inspect): the same slots, though 8 / 49 · 49 < 8
+    assert all(unit_slots_for(16, 256, 8 / N * N) == unit_slots_for(16, 256, 8) == 24 for N in (49, 98, 103, 107))
     seq_len, R, B, E, n = 256, 4, 4, 128, 2000
     g = torch.Generator().manual_seed(0)
     lengths = torch.exp(torch.randn(n, generator=g) * 1.2 + math.log(seq_len / 8)).long().clamp(2, R * seq_len)
