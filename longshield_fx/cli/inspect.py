@@ -248,14 +248,14 @@ def _lower_packed(args, model, mesh, config, checkpoint, ids):
     U = unit_slots_for(rows, T, args.expected_batch_size)
     engine = lf.compile(lf.PackedCausalLMLoss(model.lm), mesh, config=config, checkpoint=checkpoint,
                         packed_units=U, inner_ring=args.inner_ring)
-    flat = ids.flatten().tolist()  # documents of 1 to T/2 tokens cut from the random rows, one unit each
+    # U documents (a unit each) cut at random from the random rows, all their tokens: enough to
+    # fill a batch of the rows asked for, as train's first batches are
+    flat = ids.flatten().tolist()
     g = torch.Generator().manual_seed(args.seed)
-    cuts = torch.randint(2, max(3, T // 2 + 1), (U,), generator=g).tolist()
-    units, start = [], 0
-    for n in cuts:
-        units.append([flat[start:start + n]])
-        start += n
+    cuts = (torch.randperm(len(flat) // 2 - 1, generator=g)[:U - 1] + 1).mul(2).sort().values.tolist()
+    units = [[flat[a:b]] for a, b in zip([0, *cuts], [*cuts, len(flat)])]  # each at least 2 tokens
     (batch, *_), _ = pack_documents(units, seq_len=T, rows=rows, unit_slots=U)
+    assert batch.input_ids.shape[0] == rows, (batch.input_ids.shape, rows)
     lowered = engine.lower(*batch.tensors())
     return engine, lowered, (f"; packed documents: {U} unit slots per physical batch (the samples; slot {U} holds "
                              f"the padding and is never counted), {len(batch.members)} of them filled here")

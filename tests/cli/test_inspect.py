@@ -202,6 +202,22 @@ def test_inspect_double_ring_passes_its_inner_ring_to_the_graph_and_the_timeline
     assert _timeline_ms(out, "H100-IB") == expected != one_ring
 
 
+def test_inspect_packed_lowers_a_batch_of_the_rows_asked_for(tmp_path):
+    """The random documents fill the --physical-batch-size rows (train's first batches are full):
+    each parameter's method is the one an engine picks for a batch of 8 rows (the cost model's
+    words name the rows: 4 units a row)."""
+    from longshield_fx.packing import empty_batch, unit_slots_for
+
+    text = run_inspect("-T", T, "--packed", "--physical-batch-size", 8, "--out", tmp_path)
+    U = unit_slots_for(8, T, 8)
+    engine = lf.compile(lf.PackedCausalLMLoss(_model().lm), config=lf.DPConfig(1.0, 1.0), packed_units=U)
+    methods = engine.lower(*empty_batch(8, T, U).tensors()).norm_methods
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  lm.")}
+    assert any("32 units" in m for m in methods.values())
+    for name, method in methods.items():
+        assert lines[name].endswith(method), (name, method)
+
+
 def test_inspect_packed_shows_the_unit_slots_and_each_parameters_per_unit_method(tmp_path, capsys):
     """--packed lowers the graph `train --data` runs: its unit slots per row, and per parameter the
     norm method the packed engine picks for those shapes (the unit slots are its samples); with
