@@ -186,6 +186,14 @@ def document_segments(position_ids: torch.Tensor, units: torch.Tensor) -> tuple[
     return starts, starts.cumsum(1)
 
 
+def packed_predicted_tokens(labels: torch.Tensor, position_ids: torch.Tensor, units: torch.Tensor) -> int:
+    """How many tokens ``PackedCausalLMLoss`` predicts in a packed batch: a labelled token that
+    does not start a segment (a segment's first token has no earlier one of its document); the
+    divisor of a mean token loss."""
+    starts = document_segments(position_ids, units)[0]
+    return int(((labels[:, 1:] != -100) & ~starts[:, 1:]).sum())
+
+
 def _document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """(B, 1, T, T) bool: query t may attend key s iff s <= t and both have the same segment id
     (block-diagonal causal attention over packed documents)."""

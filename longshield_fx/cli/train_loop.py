@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..losses import packed_predicted_tokens
 from .checkpoints import checkpoint_dir, list_checkpoints, save_checkpoint
 from .common import say
 from .corpus import NOT_COVERED
@@ -155,7 +156,7 @@ def _one_step(job: Job, logical, step: int) -> dict:
             loss_sum = engine.accumulate(*(t.to(job.device) for t in (ids, labels, *extra)))
             positions, units = extra
             stats[0] += loss_sum.detach().double().cpu()
-            stats[1] += int(((labels != -100) & (positions > 0)).sum())  # a piece's first token predicts nothing
+            stats[1] += packed_predicted_tokens(labels, positions, units)
             stats[2] += int((labels != -100).sum())
             packing += torch.tensor([int((units == job.unit_slots).sum()), units.numel(),
                                      int((units != job.unit_slots).any(1).sum()),

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 import longshield_fx as lf
 
 from ..data import LogicalBatch, PoissonBatches
-from ..losses import CausalLMLoss, PackedCausalLMLoss
+from ..losses import CausalLMLoss, PackedCausalLMLoss, packed_predicted_tokens
 from ..packing import PackedPoissonBatches, unit_slots_for
 from ..run_core import RunLedger, calibrated_sigma, default_delta, privacy_record
 from .arguments import PrivacyArguments, refusals
@@ -221,8 +221,7 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
             if self.privacy.pack_seq_len:  # (ids, labels, positions, unit slots)
                 batch = [t.to(self.args.device) for t in tensors]
                 loss += float(self.engine.accumulate(*batch))
-                # the tokens predicted: a piece's first (position 0) predicts nothing, padding neither
-                tokens += int(((batch[1] != -100) & (batch[2] > 0)).sum())
+                tokens += packed_predicted_tokens(*batch[1:])
                 continue
             ids, labels = self._physical(tensors[0])
             loss += float(self.engine.accumulate(ids, labels, mask=mask))
