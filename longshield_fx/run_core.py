@@ -196,11 +196,7 @@ class RunLedger:
                         for step, (s, q) in enumerate(engine.accountant.step_parameters(branch.recorded + 1, taken),
                                                       branch.recorded + 1))
         for path in self.paths:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(lines)
-                f.flush()
-                os.fsync(f.fileno())
+            _append_lines(path, lines)
         added, branch.recorded = taken - branch.recorded, taken
         return added
 
@@ -256,11 +252,22 @@ class RunLedger:
                 held = set()
             missing = [r for r in records if (r["branch"], int(r["step"])) not in held]
             if missing:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "a") as f:
-                    f.write("".join(json.dumps(r) + "\n" for r in missing))
-                    f.flush()
-                    os.fsync(f.fileno())
+                _append_lines(path, "".join(json.dumps(r) + "\n" for r in missing))
+
+
+def _append_lines(path: Path, lines: str) -> None:
+    """Append ``lines`` to the ledger ``path``, flushed and fsync'd, on a line of their own: a line
+    cut by a kill (no newline at its end) stays the one line ``records`` skips, instead of taking
+    the first new line with it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                lines = "\n" + lines
+        f.write(lines.encode())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def stream_digest(sampler_state: dict | None) -> str:

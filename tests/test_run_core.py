@@ -126,3 +126,21 @@ def test_a_ledger_that_lost_its_early_lines_still_counts_the_later_branch(tmp_pa
     ledger.write_text("".join(line + "\n" for line in ledger.read_text().splitlines() if json.loads(line)["step"] > 2))
     elsewhere = RunLedger(tmp_path).admit(state, fork=True, fork_hint="fork", where="test")
     assert sorted(elsewhere) == [(3, SIGMA, Q), (4, SIGMA, Q)]
+
+
+def test_a_line_cut_by_a_kill_loses_no_later_step(tmp_path):
+    """A kill mid-append leaves a last line without its newline: the next record starts a line of
+    its own, so the cut line is the only one lost (its step never left the process) and the newest
+    released step still refuses an older state."""
+    engine, opt, sampler = _run()
+    _steps(engine, opt, sampler, 1)
+    ledger = RunLedger(tmp_path)
+    ledger.record(engine, sampler)
+    with open(tmp_path / LEDGER, "a") as f:
+        f.write('{"step": 2, "sigma": 0.8, "q"')
+    _steps(engine, opt, sampler, 2)
+    assert ledger.record(engine, sampler) == 2
+    assert RunLedger(tmp_path).newest() == 3
+    assert [r["step"] for r in RunLedger(tmp_path).records()] == [1, 2, 3]
+    RunLedger(tmp_path / "copy", tmp_path).sync()
+    assert (tmp_path / "copy" / LEDGER).read_text().count("\n") == 3
