@@ -203,6 +203,29 @@ def empty_batch(rows: int, seq_len: int, unit_slots: int, pad_id: int = 0) -> Pa
     return _tensors([], [[] for _ in range(rows)], seq_len, unit_slots, pad_id)
 
 
+def capture_every_row_count(engine, lm, rows: int, seq_len: int, unit_slots: int, device) -> None:
+    """Lower ``engine``'s packed graph (``lm``: the model it trains) for every row count a logical
+    batch of ``rows``-row physical batches may end in (``row_counts``), so that no step pays for a
+    capture; the fewest rows' on random documents (``_probe_batch``), so that the engine's
+    isolation probe runs (a batch of padding gives it nothing to watch) and refuses, before any
+    step, a model that lets a row's units reach each other. Every rank lowers the same batches:
+    under torch.distributed the ranks refuse together. Raises ``UnsupportedModelError``."""
+    *larger, fewest = row_counts(rows)  # the probe's runs on the fewest rows cost least
+    engine.lower(*(t.to(device) for t in _probe_batch(lm, fewest, seq_len)))
+    for count in larger:
+        engine.lower(*(t.to(device) for t in empty_batch(count, seq_len, unit_slots).tensors()))
+
+
+def _probe_batch(lm, rows: int, seq_len: int) -> tuple:
+    """A packed batch of ``rows`` random documents of ``seq_len`` tokens (one unit; public values,
+    none of the training data) whose tokens have gradients."""
+    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    vocab = min(256, embeddings.num_embeddings) if embeddings is not None else 256
+    ids = torch.randint(0, vocab, (rows, seq_len), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq_len).expand(rows, seq_len).contiguous()
+    return ids, ids.clone(), positions, torch.zeros_like(ids)
+
+
 def _place(rows_of: list, slot: int, pieces: list[list[int]], seq_len: int) -> bool:
     """First fit of each piece (longest first) into the rows; all or nothing."""
     free = [seq_len - sum(len(p) for _, p in r) for r in rows_of]
@@ -257,6 +280,9 @@ class PackedPoissonBatches(PoissonBatches):
 
     def __init__(self, units, sample_rate: float, *, seq_len: int, rows: int, unit_slots: int, pad_id: int = 0,
                  insecure_seed: int | None = None, steps: int | None = None) -> None:
+        if rows < 2:
+            raise ValueError(f"PackedPoissonBatches: rows must be >= 2 (the engine runs no packed batch of one row), "
+                             f"got {rows}")
         pieces = [sorted(unit_pieces(docs, seq_len), key=len, reverse=True) for docs in units]
         empty = [i for i, ps in enumerate(pieces) if not ps]
         if empty:

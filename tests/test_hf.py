@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import re
 
 import datasets  # noqa: F401  (in the test extra: the script loads its text files with it)
 import pytest
@@ -168,6 +169,7 @@ def test_the_trainers_privacy_json_has_the_clis_fields_and_labels(dp_run, folder
             "privacy_void", "insecure_seed", "release", "fork", "not_covered", "library"} <= set(record)
     assert record["sample_rate_source"] == SAMPLE_RATE_DERIVED and record["release"] == "final"
     assert "privacy_arguments" in record and record["fork"] is None
+    assert "expected_batch_size" not in record["privacy_arguments"]  # with the derived q it would give N
 
 
 def test_a_lora_model_trains_only_its_adapters_and_saves_a_peft_folder(folders, tmp_path):
@@ -222,6 +224,8 @@ def test_privacy_arguments_need_one_noise_and_one_sampling_setting():
         PrivacyArguments(expected_batch_size=4)
     with pytest.raises(ValueError, match="exactly one of expected_batch_size"):
         PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4, sample_rate=0.1)
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\], got 1.5"):
+        PrivacyArguments(noise_multiplier=1.0, sample_rate=1.5)
 
 
 def test_trl_sft_with_lora_on_text_and_chat_datasets_trains_privately(folders, tmp_path):
@@ -393,7 +397,7 @@ def test_a_unit_column_makes_each_persons_rows_one_unit_as_the_engine_loop_does(
         assert torch.equal(ours, theirs), name
 
 
-def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, tmp_path):
+def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, tmp_path, capsys):
     """``pack_seq_len``: rows are documents of any length, packed into 4 x 32 physical batches (a
     logical batch's last may be 2 x 32), each document one unit; the trainer's model equals the
     engine's loop over ``PackedPoissonBatches`` of the same documents, bit for bit, and its logged
@@ -409,6 +413,9 @@ def test_packed_documents_train_as_the_engine_loop_over_packed_batches(folders, 
                         privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=8, pack_seq_len=32,
                                                  insecure_seed=SEED))
     trainer.train()
+    said = re.search(r"DPTrainer: ε = (\S+), δ = 1e-05, PLD \(dp-accounting\) accountant, after 3 steps; the unit ε "
+                     r"protects: one training row \(add/remove one row\)\n", capsys.readouterr().out)
+    assert said and float(said[1]) == pytest.approx(trainer.privacy_record()["epsilon"], abs=5e-4)
     # two graphs: of 4-row batches, and of the 2-row ones that end a logical batch
     assert trainer.engine.captures == 2 and trainer.privacy_record()["privacy_arguments"]["pack_seq_len"] == 32
 
@@ -556,6 +563,39 @@ def test_packing_that_truncates_units_warns_with_the_counts(folders, tmp_path, c
         f"DPTrainer: {own.truncated_units} units truncated ({own.dropped_tokens} tokens dropped): packing keeps at "
         "most per_device_train_batch_size=2 rows of pack_seq_len=16 tokens"), said
     assert "NOT covered by DP" in said[0] and "raise per_device_train_batch_size" in said[0]
+
+
+def test_packed_rows_are_cut_to_their_attention_mask_and_one_row_batches_refused(folders, tmp_path, caplog):
+    """Rows tokenized with padding="max_length": packing trains the tokens the mask keeps, never
+    the padding (labels -100 there, as a collator would set them); a left-padded row and a
+    physical batch of one row are refused by name before anything is compiled. The isolation
+    probe runs when the trainer is set up, on random documents, whatever the first draw holds."""
+    def trainer(rows, batch_rows=2):
+        return DPTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]), train_dataset=rows,
+                         args=transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                                             per_device_train_batch_size=batch_rows,
+                                                             save_strategy="no", use_cpu=True),
+                         privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=2, pack_seq_len=16,
+                                                  insecure_seed=SEED))
+
+    def padded(ids, length=12, left=False):
+        pad = [0] * (length - len(ids))
+        mask = [1] * len(ids)
+        return {"input_ids": pad + ids if left else ids + pad, "attention_mask": [0] * len(pad) + mask if left
+                else mask + [0] * len(pad), "labels": [-100] * len(pad) + ids if left else ids + [-100] * len(pad)}
+
+    rows = [padded(list(range(3, 3 + n))) for n in (5, 9, 12, 3)]
+    packed = trainer(rows)
+    with caplog.at_level("INFO", logger="longshield_fx"):
+        packed.get_train_dataloader()
+    assert "the packed isolation probe passed" in caplog.text and packed.engine.captures == 1
+    assert [packed._document(i) for i in range(4)] == [list(range(3, 3 + n)) for n in (5, 9, 12, 3)]
+    with pytest.raises(ValueError, match="row 1's is not; tokenize with tokenizer.padding_side = 'right'"):
+        trainer([rows[0], padded([4, 5, 6], left=True)]).get_train_dataloader()
+    one_row = trainer(rows, batch_rows=1)
+    with pytest.raises(ValueError, match="per_device_train_batch_size rows of pack_seq_len tokens, at least 2"):
+        one_row.get_train_dataloader()
+    assert one_row.engine is None
 
 
 def test_data_parallel_over_several_gpus_of_one_process_is_refused(folders, tmp_path, monkeypatch):

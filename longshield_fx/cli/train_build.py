@@ -40,39 +40,24 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
     holding up to ``packing.unit_slots_per_row(T)`` units per row and at most 2·E + 8
     (``packing.unit_slots_for``); Poisson sampling over units (``packing.PackedPoissonBatches``).
     Each row count's graph is captured here, before the first step, the fewest rows' on random
-    documents, so that the isolation probe runs (``_probe_example``)."""
+    documents, so that the isolation probe runs (``packing.capture_every_row_count``)."""
     import longshield_fx as lf
 
     from ..errors import UnsupportedModelError
-    from ..packing import PackedPoissonBatches, empty_batch, packed_rows, row_counts, unit_slots_for
+    from ..packing import PackedPoissonBatches, capture_every_row_count, packed_rows, unit_slots_for
 
     args = job.args
     rows = packed_rows(job.corpus.rows_per_unit, args.physical_batch_size)
     job.unit_slots = unit_slots_for(rows, args.seq_len, job.q * job.corpus.num_units)
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
                             fsdp=job.fsdp, packed_units=job.unit_slots)
-    try:  # every row count a logical batch may end in, captured now: no step pays for a capture
-        *larger, fewest = row_counts(rows)  # the probe's runs on the fewest rows cost least
-        job.engine.lower(*(t.to(job.device) for t in _probe_example(job.model.lm, fewest, args.seq_len)))
-        for count in larger:
-            job.engine.lower(*(t.to(job.device) for t in empty_batch(count, args.seq_len, job.unit_slots).tensors()))
+    try:
+        capture_every_row_count(job.engine, job.model.lm, rows, args.seq_len, job.unit_slots, job.device)
     except UnsupportedModelError as e:
         raise CLIError(f"{job.model_name} cannot be trained with DP by longshield_fx: {e}") from None
     job.opt = torch.optim.AdamW(job.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     job.batches = PackedPoissonBatches(job.corpus.pieces(), job.q, seq_len=args.seq_len, rows=rows,
                                        unit_slots=job.unit_slots, insecure_seed=args.insecure_seed, steps=args.steps)
-
-
-def _probe_example(lm, rows: int, T: int) -> tuple:
-    """A packed batch of ``rows`` random documents of T tokens (one unit; public values, none of
-    the corpus), whose tokens have gradients: lowered on it, the engine's isolation probe runs
-    (a batch of padding gives it nothing to watch) and refuses, by name, a model that lets a
-    row's units reach each other."""
-    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
-    vocab = min(256, embeddings.num_embeddings) if embeddings is not None else 256
-    ids = torch.randint(0, vocab, (rows, T), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(T).expand(rows, T).contiguous()
-    return ids, ids.clone(), positions, torch.zeros_like(ids)
 
 
 def _lower_or_refuse(job: Job, dataset) -> None:

@@ -67,6 +67,8 @@ class PrivacyArguments:
             raise ValueError(f"PrivacyArguments: target_epsilon must be > 0, got {self.target_epsilon!r}")
         if self.expected_batch_size is not None and not self.expected_batch_size > 0:
             raise ValueError(f"PrivacyArguments: expected_batch_size must be > 0, got {self.expected_batch_size!r}")
+        if self.sample_rate is not None and not 0 < self.sample_rate <= 1:
+            raise ValueError(f"PrivacyArguments: sample_rate must be in (0, 1], got {self.sample_rate!r}")
         if self.pack_seq_len is not None and not (isinstance(self.pack_seq_len, int) and self.pack_seq_len >= 2):
             raise ValueError(f"PrivacyArguments: pack_seq_len must be an int >= 2, got {self.pack_seq_len!r}")
         if not (isinstance(self.cp, int) and self.cp >= 1):

@@ -11,10 +11,18 @@ class UnitBatchesMixin:
     (``DPTrainerMixin._setup``)."""
 
     def _document(self, i: int) -> list[int]:
-        """Row ``i``'s token ids, one document for packing (which trains every token: labels = ids)."""
+        """Row ``i``'s token ids, one document for packing (which trains every token: labels = ids);
+        a right-padded row (``attention_mask`` 1s, then 0s) without its padding."""
         row = self._rows[i]
         ids = [int(t) for t in row["input_ids"]]
-        if "labels" in row and [int(t) for t in row["labels"]] != ids:
+        if "attention_mask" in row:
+            mask = [int(m) for m in row["attention_mask"]]
+            if mask != sorted(mask, reverse=True) or not set(mask) <= {0, 1}:
+                raise ValueError(f"DPTrainer: packing (PrivacyArguments.pack_seq_len) reads an attention_mask as "
+                                 f"right padding (1s, then 0s), and row {i}'s is not; tokenize with "
+                                 "tokenizer.padding_side = 'right', or without padding (packing needs none)")
+            ids = ids[:sum(mask)]
+        if "labels" in row and [int(t) for t in row["labels"]][:len(ids)] != ids:
             raise ValueError(f"DPTrainer: packing (PrivacyArguments.pack_seq_len) trains every token of a document, "
                              f"but row {i}'s labels differ from its input_ids; leave pack_seq_len unset to keep "
                              "the labels")

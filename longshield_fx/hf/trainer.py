@@ -15,7 +15,7 @@ import longshield_fx as lf
 
 from ..data import LogicalBatch, PoissonBatches
 from ..losses import CausalLMLoss, PackedCausalLMLoss, packed_predicted_tokens
-from ..packing import PackedPoissonBatches, unit_slots_for
+from ..packing import PackedPoissonBatches, capture_every_row_count, unit_slots_for
 from ..run_core import RunLedger, calibrated_sigma, default_delta, privacy_record
 from .arguments import PrivacyArguments, refusals
 from .batches import UnitBatchesMixin, pad_token_id, unit_rows
@@ -95,7 +95,12 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         self._resuming = resume_from_checkpoint not in (None, False)
         if self._resuming:
             self._check_ledger(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.is_world_process_zero():  # the logs' epsilon and delta, with what they protect and how
+            record = self.privacy_record(final=False)
+            print(f"DPTrainer: ε = {record['epsilon']:.3f}, δ = {record['delta']:.3g}, {record['accountant']} "
+                  f"accountant, after {record['steps']} steps; the unit ε protects: {record['privacy_unit']}")
+        return output
 
     def num_examples(self, dataloader) -> int:
         if isinstance(getattr(dataloader, "dataset", None), range):  # the training placeholders
@@ -129,6 +134,10 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         self._pad_id = pad_token_id(self.processing_class, self.model)
         rows = self.args.per_device_train_batch_size
         if p.pack_seq_len:
+            if rows < 2:
+                raise ValueError(f"DPTrainer: pack_seq_len packs each physical batch into per_device_train_batch_size "
+                                 f"rows of pack_seq_len tokens, at least 2 (a packed batch of one row is not run), "
+                                 f"got {rows}; raise it to 2 or more")
             units = self._units or [[i] for i in range(N)]
             self._sampler = PackedPoissonBatches([[self._document(i) for i in unit] for unit in units], q,
                                                  seq_len=p.pack_seq_len, rows=rows, unit_slots=unit_slots_for(rows, p.pack_seq_len, q * N),
@@ -165,6 +174,10 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         loss = PackedCausalLMLoss(self.model) if p.pack_seq_len else CausalLMLoss(self.model)
         self.engine = lf.compile(loss, mesh, config=config, checkpoint=self._checkpoint, fsdp=p.fsdp,
                                  packed_units=self._sampler.unit_slots if p.pack_seq_len else 0)
+        if p.pack_seq_len:  # as the CLI: the isolation probe runs now, on every rank, whatever is drawn
+            self.model.train()  # training_step's mode (from_pretrained gives eval): the graph it will run
+            capture_every_row_count(self.engine, self.model, rows, p.pack_seq_len, self._sampler.unit_slots,
+                                    self.args.device)
         if not self._resuming:
             self.engine.accountant.released_elsewhere = fresh_start
 
@@ -274,13 +287,16 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         p = self.privacy
         unit = (f"all rows with one value of {p.unit_column!r} (add/remove one unit)" if p.unit_column
                 else "one training row (add/remove one row)")
+        arguments = asdict(p)
+        if p.sample_rate is None:  # q = E / N is written: E beside it would give N, which is private
+            del arguments["expected_batch_size"]
         return privacy_record(
             self.engine, delta=self._delta, delta_given=p.delta is not None, unit=unit,
             sample_rate=self._sampler.sample_rate, sample_rate_chosen=p.sample_rate is not None, model=self.model,
             insecure_seed=p.insecure_seed, final=final,
             not_covered="training losses (loss_not_dp) come from the data without noise; evaluation data is never "
                         "trained on and is not protected by ε",
-            privacy_arguments=asdict(p))
+            privacy_arguments=arguments)
 
     def hyperparameter_search(self, *args, **kwargs):
         raise ValueError("DPTrainer: hyperparameter search trains many models on the private data, and each trial "
