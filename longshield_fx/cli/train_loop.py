@@ -117,7 +117,8 @@ def _steps(job: Job, stop: _StopRequests) -> int | None:
             loss = row[NOT_COVERED]["train_loss"]
             last_loss = loss if loss is not None else last_loss
             if job.rank0:
-                bar.set_postfix_str(f"ε={row['epsilon']:.2f} loss(not DP)="
+                bar.set_postfix_str(f"ε={row['epsilon']:.2f} {job.unit.split(' (')[0]} (δ={job.delta:.0e}, "
+                                    f"{args.accountant.upper()}) loss(not DP)="
                                     f"{'-' if last_loss is None else f'{last_loss:.3f}'}", refresh=False)
             bar.update()
             signum = stop.agreed(job) if step < args.steps else None
@@ -207,15 +208,22 @@ def _evaluate_on_rank0(job: Job) -> dict:
 @torch.no_grad()
 def evaluate(model, docs, batch_size: int, device) -> dict:
     """Per-token loss and perplexity of ``model`` (a ``CausalLMLoss``) on held-out documents,
-    dropout off, then back to training mode. Computed without noise: NOT covered by ε."""
+    ``batch_size`` rows a call, dropout off, then back to training mode. Computed without noise:
+    NOT covered by ε."""
     import math
 
     model.eval()
+    # Each row is a causal sequence of its own, so the rows that predict a token are evaluated
+    # alone, batch_size rows at a time: a unit's rows of padding cost nothing, and the logits of
+    # a call (which the training step never holds whole) are those of batch_size rows.
+    ids, labels = docs.ids.flatten(0, -2), docs.labels.flatten(0, -2)
+    predicts = (labels[:, 1:] != -100).any(1)
+    ids, labels = ids[predicts], labels[predicts]
     loss, tokens = 0.0, 0
-    for i in range(0, docs.num_units, batch_size):
-        ids, labels = docs.ids[i:i + batch_size].to(device), docs.labels[i:i + batch_size].to(device)
-        loss += float(model(ids, labels).double().sum())
-        tokens += int((labels[..., 1:] != -100).sum())
+    for i in range(0, len(ids), batch_size):
+        part = labels[i:i + batch_size].to(device)
+        loss += float(model(ids[i:i + batch_size].to(device), part).double().sum())
+        tokens += int((part[:, 1:] != -100).sum())
     model.train()
     mean = loss / max(tokens, 1)
     return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 700.0)), "eval_tokens": tokens}

@@ -794,3 +794,30 @@ def test_a_hold_out_that_leaves_too_few_units_is_named(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "N = 1 left for training after --eval-fraction 0.9 held out 5; lower it or the held-out fraction" in err[0]
+
+
+def test_the_held_out_loss_reads_only_the_rows_that_predict_a_token(tmp_path):
+    """Held-out units of several rows, some rows all padding: the loss and its token count are
+    those of each unit run alone with all its rows, however many units a call takes."""
+    import longshield_fx as lf
+    from longshield_fx.cli.train_loop import evaluate
+    from longshield_fx.documents import load_documents
+    from longshield_fx.models import Llama
+
+    from finetune_fixtures import documents, write_folder
+
+    held_out = load_documents(write_folder(tmp_path / "data", documents(6, seed=2)),
+                              lambda text: list(text.encode("utf-8")), 64, 12, 0)
+    padding = (held_out.labels[..., 1:] == -100).all(-1)
+    assert bool(padding.any()) and not bool(padding.all(-1).any())  # rows of padding, no unit without text
+    torch.manual_seed(0)
+    model = lf.CausalLMLoss(Llama.from_name("tiny"))
+    with torch.no_grad():
+        loss = sum(float(model(held_out.ids[u:u + 1], held_out.labels[u:u + 1]).double())
+                   for u in range(held_out.num_units))
+    tokens = int((held_out.labels[..., 1:] != -100).sum())
+    for units_per_call in (1, 4):
+        result = evaluate(model, held_out, units_per_call, "cpu")
+        assert result["eval_tokens"] == tokens
+        assert result["eval_loss"] == pytest.approx(loss / tokens, rel=1e-6)
+    assert model.training
