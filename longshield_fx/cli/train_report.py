@@ -24,7 +24,9 @@ def plot_title(model_name: str, T: int, sampling: dict, sigma: float, unit: str 
 
 
 def _fmt_time(s: float) -> str:
-    return f"{int(s // 60)}m{s % 60:04.1f}s" if s >= 60 else f"{s:.1f}s"
+    """Seconds to a tenth, as 59.9s or 2m00.0s (rounded once, so 119.96 s is not 1m60.0s)."""
+    minutes, tenths = divmod(round(s * 10), 600)
+    return f"{minutes}m{tenths / 10:04.1f}s" if minutes else f"{tenths / 10:.1f}s"
 
 
 def _private(row: dict) -> dict:

@@ -821,3 +821,9 @@ def test_the_held_out_loss_reads_only_the_rows_that_predict_a_token(tmp_path):
         assert result["eval_tokens"] == tokens
         assert result["eval_loss"] == pytest.approx(loss / tokens, rel=1e-6)
     assert model.training
+
+
+def test_durations_are_rounded_once():
+    from longshield_fx.cli.train_report import _fmt_time
+
+    assert [_fmt_time(s) for s in (59.94, 59.96, 119.96, 3601.0)] == ["59.9s", "1m00.0s", "2m00.0s", "60m01.0s"]
