@@ -69,7 +69,7 @@ class CausalLMLoss(nn.Module):
             kwargs["use_cache"] = False
         out = self.lm(input_ids, **kwargs)
         logits = out if isinstance(out, torch.Tensor) else out.logits
-        token_loss = _token_losses(_at_least_fp32(logits[:, :-1]), labels[:, 1:])
+        token_loss = _next_token_losses(logits, labels[:, 1:])
         return _per_sample(token_loss, B, rows)
 
 
@@ -109,7 +109,7 @@ class PackedCausalLMLoss(nn.Module):
         else:
             logits = self.lm(input_ids, position_ids=position_ids, segment_ids=segments)
         targets = labels[:, 1:].masked_fill(starts[:, 1:], -100)
-        token_loss = _token_losses(_at_least_fp32(logits[:, :-1]), targets)
+        token_loss = _next_token_losses(logits, targets)
         return token_loss.sum(dim=1)
 
 
@@ -143,7 +143,8 @@ class ShardedPackedCausalLMLoss(nn.Module):
                              longshield_segments=segments).logits
         else:
             logits = self.lm(input_ids, position_ids=position_ids, segment_ids=segments)
-        token_loss = _token_losses(_at_least_fp32(logits), shifted_labels)
+        token_loss = F.cross_entropy(_at_least_fp32(logits).transpose(1, 2), shifted_labels, reduction="none",
+                                     ignore_index=-100)
         return token_loss.sum(dim=1)
 
 
@@ -216,18 +217,22 @@ def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.dtype == torch.float64 else logits.float()
 
 
-def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(B, T) cross-entropy of (B, T, V) logits against (B, T) targets (-100: none).
+def _next_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T-1) cross-entropy of (B, T, V) logits, position t against ``targets[:, t]`` (the next
+    token's, -100: none).
 
-    Traced (the capture of a DP step), over the class dim of (B, V, T): the batch dim leads in
+    Traced (the capture of a DP step), over the class dim of (B, V, T-1): the batch dim leads in
     every intermediate tensor, where flattening to (B*T, V) would merge it with the sequence dim.
-    Run eagerly (evaluation, a non-private step), over (B*T, V) rows: the same values to float
-    rounding, and on a CPU 1.6x (V = 256) to 6x (V = 4096) faster, forward and backward, than a
-    softmax over strided classes."""
+    Run eagerly (evaluation, a non-private step), over the (B*T, V) rows of every position (the
+    last one's target -100), a view of the logits: the same values to float rounding, and on a
+    CPU 1.6x (V = 256) to 6x (V = 4096) faster, forward and backward, than a softmax over strided
+    classes."""
     if torch.compiler.is_compiling():
-        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
-                           ignore_index=-100).view(targets.shape)
+        return F.cross_entropy(_at_least_fp32(logits[:, :-1]).transpose(1, 2), targets, reduction="none",
+                               ignore_index=-100)
+    every = F.pad(targets, (0, 1), value=-100)
+    return F.cross_entropy(_at_least_fp32(logits).flatten(0, 1), every.flatten(), reduction="none",
+                           ignore_index=-100).view(every.shape)[:, :-1]
 
 
 def _fold(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -269,7 +274,8 @@ class ShardedCausalLMLoss(nn.Module):
         if self.is_hf:
             kwargs.update(use_cache=False, attention_mask=torch.ones_like(input_ids))
         out = self.lm(input_ids, **kwargs)
-        token_loss = _token_losses(_at_least_fp32(out if isinstance(out, torch.Tensor) else out.logits), shifted_labels)
+        logits = _at_least_fp32(out if isinstance(out, torch.Tensor) else out.logits)
+        token_loss = F.cross_entropy(logits.transpose(1, 2), shifted_labels, reduction="none", ignore_index=-100)
         return _per_sample(token_loss, B, rows)
 
 
