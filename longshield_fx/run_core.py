@@ -246,10 +246,7 @@ class RunLedger:
         """Copy into every folder's ledger the lines it lacks of ``records`` (default: all)."""
         records = self.records() if records is None else records
         for path in self.paths:
-            try:
-                held = {(r["branch"], int(r["step"])) for r in map(json.loads, path.read_text().splitlines())}
-            except (FileNotFoundError, ValueError, KeyError, TypeError):
-                held = set()
+            held = {(r["branch"], int(r["step"])) for r in RunLedger(path.parent).records()}
             missing = [r for r in records if (r["branch"], int(r["step"])) not in held]
             if missing:
                 _append_lines(path, "".join(json.dumps(r) + "\n" for r in missing))

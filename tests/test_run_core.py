@@ -142,5 +142,7 @@ def test_a_line_cut_by_a_kill_loses_no_later_step(tmp_path):
     assert ledger.record(engine, sampler) == 2
     assert RunLedger(tmp_path).newest() == 3
     assert [r["step"] for r in RunLedger(tmp_path).records()] == [1, 2, 3]
+    before = (tmp_path / LEDGER).read_text()
     RunLedger(tmp_path / "copy", tmp_path).sync()
     assert (tmp_path / "copy" / LEDGER).read_text().count("\n") == 3
+    assert (tmp_path / LEDGER).read_text() == before  # the cut line hides none of the lines it holds

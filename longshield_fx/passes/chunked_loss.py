@@ -35,9 +35,10 @@ head's per-unit gradient takes one of two forms, by a cost rule (``_rows_form``)
   gradients would differ by float rounding across the crossover, and ``train`` takes U from
   the expected batch size, which ``--sample-rate`` reads off the corpus's size. At any U up to
   the shape's slots the form, and so every value, is the same; at fewer slots the rows form may
-  hold more than the dense form at U would, never more than at S. Not under cp (no ``ghost_norm`` there; ``shard_grads`` reduce-scatters the dense
-  form), nor for a head tied to another weight (its per-unit gradient is then a sum with the
-  other's, which ``ghost_norm`` does not split: rows would only add dz's memory).
+  hold more than the dense form at U would, never more than at S. Not under cp (no
+  ``ghost_norm`` there; ``shard_grads`` reduce-scatters the dense form), nor for a head tied to
+  another weight (its per-unit gradient is then a sum with the other's, which ``ghost_norm``
+  does not split: rows would only add dz's memory).
 
 Which position of h a loss term belongs to is found by replaying the chain between the
 logits and the NLL on an index tensor (arange over h's rows, the class dim of size 1), so
