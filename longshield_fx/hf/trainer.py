@@ -99,7 +99,9 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         if self.is_world_process_zero():  # the logs' epsilon and delta, with what they protect and how
             record = self.privacy_record(final=False)
             print(f"DPTrainer: ε = {record['epsilon']:.3f}, δ = {record['delta']:.3g}, {record['accountant']} "
-                  f"accountant, after {record['steps']} steps; the unit ε protects: {record['privacy_unit']}")
+                  f"accountant, after {record['steps']} steps; the unit ε protects: {record['privacy_unit']}. "
+                  f"Non-finite per-unit gradients, contributing nothing (NOT covered by DP): "
+                  f"{self.engine.nonfinite_samples}")
         return output
 
     def num_examples(self, dataloader) -> int:
