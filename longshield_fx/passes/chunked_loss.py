@@ -24,21 +24,17 @@ head's per-unit gradient takes one of two forms, by a cost rule (``_rows_form``)
   hold and pass over, whose cost grows with U whatever the units present.
 
   The cost rule is memory: rows when dz and the hidden rows hold fewer values than the
-  dense form would at S slots, N·(V+d) < (S+1)·V·d. dz is N·V values in the compute dtype, the
-  size of the whole batch's logits that the chunking otherwise never holds at once, kept from
-  the op to ``clip`` as the dense form would be (at llama3.2-1b's shapes, N = 8k tokens and
-  S = 32: 2 GiB of bf16 dz and 32 MiB of h against 32 GiB of fp32). Few slots for many tokens
-  (S + 1 ≤ N·(V+d)/(V·d): long rows) keep the dense form, smaller there (2 rows of 32k tokens
-  at S = 8: 8.8 GiB against 15.7 GiB of bf16 dz). S is the most slots ``train`` gives a batch
-  of these rows and T (``packing.unit_slots_for`` without E, a function of the shape alone),
-  or U where U is more: the two forms sum the same products in another order, so the head's
-  gradients would differ by float rounding across the crossover, and ``train`` takes U from
-  the expected batch size, which ``--sample-rate`` reads off the corpus's size. At any U up to
-  the shape's slots the form, and so every value, is the same; at fewer slots the rows form may
-  hold more than the dense form at U would, never more than at S. Not under cp (no
-  ``ghost_norm`` there; ``shard_grads`` reduce-scatters the dense form), nor for a head tied to
-  another weight (its per-unit gradient is then a sum with the other's, which ``ghost_norm``
-  does not split: rows would only add dz's memory).
+  dense form, N·(V+d) < (U+1)·V·d. dz is N·V values in the compute dtype, the size of the
+  whole batch's logits that the chunking otherwise never holds at once, kept from the op to
+  ``clip`` as the dense form would be; so the rows form never holds more values than the dense
+  one (at llama3.2-1b's shapes, N = 8k tokens and U = 32: 2 GiB of bf16 dz and 32 MiB of h
+  against 32 GiB of fp32). Few slots for many tokens (U + 1 ≤ N·(V+d)/(V·d): long rows, few
+  units) keep the dense form, smaller there (2 rows of 32k tokens at U = 8: 8.8 GiB against
+  15.7 GiB of bf16 dz). The two forms sum the same products in another order, so across that
+  crossover the head's gradients differ by float rounding; any two U above it give bitwise the
+  same values. Not under cp (no ``ghost_norm`` there; ``shard_grads`` reduce-scatters the dense
+  form), nor for a head tied to another weight (its per-unit gradient is then a sum with the
+  other's, which ``ghost_norm`` does not split: rows would only add dz's memory).
 
 Which position of h a loss term belongs to is found by replaying the chain between the
 logits and the NLL on an index tensor (arange over h's rows, the class dim of size 1), so
@@ -63,7 +59,6 @@ import torch.fx as fx
 
 from ..config import DPConfig
 from ..ops import lm_head_loss as _op
-from ..packing import unit_slots_for
 from ._context import PassContext
 from ._graph import GraphBuilder, eliminate_dead_code, norm_dim, permutation, val
 from .batch_dims import BatchDim, batch_dim
@@ -315,16 +310,14 @@ def _replace_weight_grad(graph: fx.Graph, build: GraphBuilder, m: _Match, make) 
 
 def _rows_form(ctx: PassContext, m: _Match, packing: Packing, V: int, d: int) -> bool:
     """Whether the packed head's per-unit gradient should come as the logits' gradient rows (see the
-    module docstring): N·(V+d) < (S+1)·V·d, S = max(U, the slots ``train`` gives these rows), on a
-    head trained alone (not tied) at cp = 1, whose h rows are the packed batch's positions in
-    ``units``' order."""
+    module docstring): N·(V+d) < (U+1)·V·d, on a head trained alone (not tied) at cp = 1, whose
+    h rows are the packed batch's positions in ``units``' order."""
     if ctx.sp_size > 1 or len(m.grad_w) != 1 or not _reaches_output_alone(m.grad_w[0][0]):
         return False
     if (ctx.batch_size, m.rows_per_sample) != (packing.rows, packing.T):
         return False
     N = packing.rows * packing.T
-    slots = max(ctx.packed_units, unit_slots_for(packing.rows, packing.T))
-    return N * (V + d) < (slots + 1) * V * d
+    return N * (V + d) < (ctx.packed_units + 1) * V * d
 
 
 def _reaches_output_alone(node: fx.Node) -> bool:

@@ -158,54 +158,27 @@ def test_packed_documents_head_gradients_are_per_unit_and_equal_each_unit_alone(
     assert not any(n.target is torch.ops.aten._log_softmax.default for n in lowered.gm.graph.nodes)
 
 
-@pytest.mark.parametrize("rows, T, slots", [(4, 16, 8), (2, 512, 8)])
-def test_packed_head_form_follows_the_cost_rule(rows, T, slots):
-    """N·(V+d) < (S+1)·V·d, S the slots ``train`` gives these rows (V = 64, d = 32; 4 rows of
-    16 positions, S = 64): the op returns the logits' gradient as token rows, the head is a
-    packed linear weight for ``ghost_norm`` and ``clip`` (ghost here), and the training graph
-    holds no (U+1, V, d) tensor; two rows of 512 (S = 16): the op's per-slot sums and the head's
-    per-unit gradient as they are (``per-sample``)."""
+@pytest.mark.parametrize("slots", [8, 1])
+def test_packed_head_form_follows_the_cost_rule(slots):
+    """N·(V+d) < (U+1)·V·d (N = 64 positions, V = 64, d = 32: U ≥ 3): the op returns the logits'
+    gradient as token rows, the head is a packed linear weight for ``ghost_norm`` and ``clip``
+    (ghost here), and the training graph holds no (U+1, V, d) tensor; below, the op's per-slot
+    sums and the head's per-unit gradient as they are (``per-sample``)."""
     from longshield_fx.packing import pack_documents
-    from oracles import packed_model, packed_units
+    from oracles import PACKED_ROWS, PACKED_T, packed_model, packed_units
 
     loss = packed_model("ref")
     V, d = loss.lm.cfg.vocab_size, loss.lm.cfg.dim
-    engine = lf.compile(loss, config=lf.DPConfig(0.5, 1.0, loss_chunk=3 * rows), packed_units=slots)
-    batch = pack_documents(packed_units(), seq_len=T, rows=rows, unit_slots=slots)[0][0]
+    engine = lf.compile(loss, config=lf.DPConfig(0.5, 1.0, loss_chunk=3 * PACKED_ROWS), packed_units=slots)
+    batch = pack_documents(packed_units(), seq_len=PACKED_T, rows=PACKED_ROWS, unit_slots=slots)[0][0]
     lowered = engine.lower(*batch.tensors())
     method = lowered.norm_methods["lm.lm_head.weight"]
     op = next(n for n in lowered.gm.graph.nodes if n.target is LM_HEAD_LOSS)
     dense = [n.name for n in lowered.gm.graph.nodes
              if tuple(getattr(n.meta.get("val"), "shape", ())) == (slots + 1, V, d)]
-    if T == 16:
+    if slots == 8:
         assert method.startswith("ghost") and not dense, (method, dense)
-        assert tuple(op.meta["val"][2].shape) == (rows * T, V)
+        assert tuple(op.meta["val"][2].shape) == (PACKED_ROWS * PACKED_T, V)
     else:
         assert method.startswith("per-sample") and dense, method
         assert tuple(op.meta["val"][2].shape) == (slots + 1, V, d)
-
-
-def test_the_unit_slots_leave_the_heads_form_and_values_as_they_are():
-    """2 rows of 128 positions: at U = 8 the dense form would hold less than the rows form
-    (N·(V+d) = 24,576 ≥ 9·V·d = 18,432), at U = 32 more. ``train`` takes U from the expected
-    batch size, which ``--sample-rate`` reads off the corpus's size, so the form follows the
-    slots these rows get at most (S = 32), not U: the same graph, bitwise the same gradients."""
-    from longshield_fx.data import LogicalBatch
-    from longshield_fx.packing import pack_documents
-    from oracles import packed_model, packed_units
-
-    loss = packed_model("ref")
-    (pb, *_), _ = pack_documents(packed_units(), seq_len=128, rows=2, unit_slots=8)
-    results = []
-    for slots in (8, 32):
-        engine = lf.compile(loss, config=lf.DPConfig(0.5, 0.0, insecure_seed=0), packed_units=slots)
-        units = torch.where(pb.units == 8, slots, pb.units)  # 8 was the padding slot
-        batch = (pb.input_ids, pb.labels, pb.position_ids, units)
-        op = next(n for n in engine.lower(*batch).gm.graph.nodes if n.target is LM_HEAD_LOSS)
-        loss.zero_grad()
-        engine.accumulate(*batch)
-        engine.finalize(LogicalBatch(len(pb.members), torch.arange(len(pb.members)), [], 1.0, 1.0))
-        results.append((tuple(op.meta["val"][2].shape), {n: p.grad.clone() for n, p in loss.named_parameters()}))
-    (form, grads), (other_form, other_grads) = results
-    assert form == other_form == (2 * 128, loss.lm.cfg.vocab_size)
-    assert all(torch.equal(grads[n], other_grads[n]) for n in grads)
