@@ -224,3 +224,18 @@ def test_the_clis_unit_slots_leave_room_for_short_documents():
                 real += int((unit < slots).sum())
         padding[slots] = 1 - real / total
     assert padding[unit_slots_for(rows, seq_len, E)] < 0.05 and padding[rows] > 0.2, padding
+
+
+def test_every_row_count_is_captured_with_the_probe_on_a_model_of_fewer_than_256_tokens(caplog):
+    """``capture_every_row_count`` on the reference Llama (no ``get_input_embeddings``) with a
+    64-token vocabulary: its random documents stay in the vocabulary, and the probe runs."""
+    import longshield_fx as lf
+    from longshield_fx.models.llama import Llama
+    from longshield_fx.packing import capture_every_row_count
+    from oracles import PACKED_CFG
+
+    engine = lf.compile(lf.PackedCausalLMLoss(Llama(PACKED_CFG)), config=lf.DPConfig(1.0, 1.0, insecure_seed=0),
+                        packed_units=8)
+    with caplog.at_level("INFO", logger="longshield_fx"):
+        capture_every_row_count(engine, engine.model.lm, 4, 16, 8, "cpu")
+    assert engine.captures == 2 and "the packed isolation probe passed" in caplog.text

@@ -117,7 +117,7 @@ def _steps(job: Job, stop: _StopRequests) -> int | None:
             loss = row[NOT_COVERED]["train_loss"]
             last_loss = loss if loss is not None else last_loss
             if job.rank0:
-                bar.set_postfix_str(f"ε={row['epsilon']:.2f} {job.unit.split(' (')[0]} (δ={job.delta:.0e}, "
+                bar.set_postfix_str(f"ε={row['epsilon']:.2f} {job.unit.split(' (')[0]} (δ={job.delta:.3g}, "
                                     f"{args.accountant.upper()}) loss(not DP)="
                                     f"{'-' if last_loss is None else f'{last_loss:.3f}'}", refresh=False)
             bar.update()

@@ -83,8 +83,8 @@ def summary(job: Job, eps: float, loop: float, wall: float, startup: float) -> d
         "privacy_unit": job.unit.removeprefix("per "), "epsilon": eps, "delta": job.delta,
         "delta_rule": DELTA_RULE if args.delta is None else "given", "accountant": args.accountant,
         "target_epsilon": None if args.sigma is not None else args.target_epsilon, "sigma": job.sigma,
+        # q is public (ε needs it); a chosen E beside a derived q would give N: E is under NOT_COVERED
         "sample_rate": job.q, "sample_rate_source": SAMPLE_RATE_CHOSEN if args.sample_rate is not None else SAMPLE_RATE_DERIVED,
-        **sampling_choice(args),
         "max_grad_norm": args.max_grad_norm, "insecure_seed": args.insecure_seed,
         "privacy_void": args.insecure_seed is not None, "init_seed": args.seed, "seq_len": args.seq_len,
         "max_files": None if args.data else args.max_files,

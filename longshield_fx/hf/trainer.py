@@ -96,12 +96,15 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         if self._resuming:
             self._check_ledger(resume_from_checkpoint)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
+        nonfinite = torch.tensor(self.engine.nonfinite_samples, dtype=torch.float64, device=self.args.device)
+        if self._dp > 1:  # each dp group counts its own units; the cp ranks of a group count the same ones
+            torch.distributed.all_reduce(nonfinite, group=self._dp_mesh.get_group())
         if self.is_world_process_zero():  # the logs' epsilon and delta, with what they protect and how
             record = self.privacy_record(final=False)
             print(f"DPTrainer: ε = {record['epsilon']:.3f}, δ = {record['delta']:.3g}, {record['accountant']} "
                   f"accountant, after {record['steps']} steps; the unit ε protects: {record['privacy_unit']}. "
                   f"Non-finite per-unit gradients, contributing nothing (NOT covered by DP): "
-                  f"{self.engine.nonfinite_samples}")
+                  f"{int(nonfinite)}")
         return output
 
     def num_examples(self, dataloader) -> int:
@@ -141,8 +144,10 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
                                  f"rows of pack_seq_len tokens, at least 2 (a packed batch of one row is not run), "
                                  f"got {rows}; raise it to 2 or more")
             units = self._units or [[i] for i in range(N)]
+            # E only where it was chosen (None under sample_rate, where q·N would read the private N)
+            slots = unit_slots_for(rows, p.pack_seq_len, p.expected_batch_size)
             self._sampler = PackedPoissonBatches([[self._document(i) for i in unit] for unit in units], q,
-                                                 seq_len=p.pack_seq_len, rows=rows, unit_slots=unit_slots_for(rows, p.pack_seq_len, q * N),
+                                                 seq_len=p.pack_seq_len, rows=rows, unit_slots=slots,
                                                  pad_id=self._pad_id, insecure_seed=p.insecure_seed)
             # Statistics of the private data (not covered by DP): kept here, said once by the main process.
             self.truncated_units = self._sampler.truncated_units
