@@ -192,10 +192,8 @@ def unit_slots_for(rows: int, seq_len: int, expected_units: float | None = None)
     is given: a physical batch holds no more units than its logical batch, which draws more
     than 2·E + 8 of them with a probability below 1e-5 (Poisson), and then only starts another
     batch. Fewer slots hold less: the dense per-unit gradients (norm weights, a tied LM head)
-    keep one row per slot. E must be public: the slots choose between forms of a step's sums
-    whose float rounding differs (``chunked_loss``), so under a chosen sample rate, where E = q·N
-    reads the private N, the slots are taken without it. E is read to 1e-9 (a q·N of a public E,
-    8 / 49 · 49, is a rounding below 8)."""
+    keep one row per slot. E may come as q·N, a float a rounding below the E that q was taken
+    from (8 / 49 · 49 < 8): it is read to 1e-9, so that both give the same slots."""
     slots = rows * unit_slots_per_row(seq_len)
     return slots if expected_units is None else max(1, min(slots, int(2 * expected_units + 1e-9) + 8))
 

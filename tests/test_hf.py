@@ -571,15 +571,13 @@ def test_packed_rows_are_cut_to_their_attention_mask_and_one_row_batches_refused
     the padding (labels -100 there, as a collator would set them); a left-padded row and a
     physical batch of one row are refused by name before anything is compiled. The isolation
     probe runs when the trainer is set up, on random documents, whatever the first draw holds."""
-    from longshield_fx.packing import unit_slots_for
-
-    def trainer(rows, batch_rows=2, sampling=None):
+    def trainer(rows, batch_rows=2):
         return DPTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folders[1]), train_dataset=rows,
                          args=transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none",
                                                              per_device_train_batch_size=batch_rows,
                                                              save_strategy="no", use_cpu=True),
-                         privacy=PrivacyArguments(noise_multiplier=1.0, pack_seq_len=16, insecure_seed=SEED,
-                                                  **(sampling or {"expected_batch_size": 2})))
+                         privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=2, pack_seq_len=16,
+                                                  insecure_seed=SEED))
 
     def padded(ids, length=12, left=False):
         pad = [0] * (length - len(ids))
@@ -595,10 +593,6 @@ def test_packed_rows_are_cut_to_their_attention_mask_and_one_row_batches_refused
     assert [packed._document(i) for i in range(4)] == [list(range(3, 3 + n)) for n in (5, 9, 12, 3)]
     with pytest.raises(ValueError, match="row 1's is not; tokenize with tokenizer.padding_side = 'right'"):
         trainer([rows[0], padded([4, 5, 6], left=True)]).get_train_dataloader()
-    assert packed._sampler.unit_slots == unit_slots_for(2, 16, 2)  # the chosen E bounds the slots
-    by_rate = trainer(rows, sampling={"sample_rate": 0.5})
-    by_rate.get_train_dataloader()  # q·N would read the private N: the slots follow the shape alone
-    assert by_rate._sampler.unit_slots == unit_slots_for(2, 16) != unit_slots_for(2, 16, 2)
     one_row = trainer(rows, batch_rows=1)
     with pytest.raises(ValueError, match="per_device_train_batch_size rows of pack_seq_len tokens, at least 2"):
         one_row.get_train_dataloader()

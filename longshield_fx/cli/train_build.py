@@ -37,8 +37,8 @@ def compile_run(job: Job, dataset=None) -> None:
 def _compile_packed(job: Job, config, checkpoint) -> None:
     """Packed documents: physical batches of B·R rows (the memory of B padded units:
     ``packing.packed_rows``), a logical batch's last ones of half as many, a quarter, ...;
-    holding up to ``packing.unit_slots_per_row(T)`` units per row and at most 2·E + 8 where E is
-    given (``packing.unit_slots_for``); Poisson sampling over units (``packing.PackedPoissonBatches``).
+    holding up to ``packing.unit_slots_per_row(T)`` units per row and at most 2·E + 8
+    (``packing.unit_slots_for``); Poisson sampling over units (``packing.PackedPoissonBatches``).
     Each row count's graph is captured here, before the first step, the fewest rows' on random
     documents, so that the isolation probe runs (``packing.capture_every_row_count``)."""
     import longshield_fx as lf
@@ -48,8 +48,7 @@ def _compile_packed(job: Job, config, checkpoint) -> None:
 
     args = job.args
     rows = packed_rows(job.corpus.rows_per_unit, args.physical_batch_size)
-    chosen_E = None if args.sample_rate is not None else args.expected_batch_size  # q·N would read the private N
-    job.unit_slots = unit_slots_for(rows, args.seq_len, chosen_E)
+    job.unit_slots = unit_slots_for(rows, args.seq_len, job.q * job.corpus.num_units)
     job.engine = lf.compile(lf.PackedCausalLMLoss(job.model.lm), job.mesh, config=config, checkpoint=checkpoint,
                             fsdp=job.fsdp, packed_units=job.unit_slots)
     try:

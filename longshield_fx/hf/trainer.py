@@ -144,8 +144,7 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
                                  f"rows of pack_seq_len tokens, at least 2 (a packed batch of one row is not run), "
                                  f"got {rows}; raise it to 2 or more")
             units = self._units or [[i] for i in range(N)]
-            # E only where it was chosen (None under sample_rate, where q·N would read the private N)
-            slots = unit_slots_for(rows, p.pack_seq_len, p.expected_batch_size)
+            slots = unit_slots_for(rows, p.pack_seq_len, q * N)
             self._sampler = PackedPoissonBatches([[self._document(i) for i in unit] for unit in units], q,
                                                  seq_len=p.pack_seq_len, rows=rows, unit_slots=slots,
                                                  pad_id=self._pad_id, insecure_seed=p.insecure_seed)

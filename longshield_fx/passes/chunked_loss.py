@@ -32,11 +32,9 @@ head's per-unit gradient takes one of two forms, by a cost rule (``_rows_form``)
   units) keep the dense form, smaller there (2 rows of 32k tokens at U = 8: 8.8 GiB against
   15.7 GiB of bf16 dz). The two forms sum the same products in another order, so across that
   crossover the head's gradients differ by float rounding; any two U above it give bitwise the
-  same values. So U must be public, as ``train`` and the Trainer take it (the shape and a chosen
-  E, never q·N: ``packing.unit_slots_for``). Not under cp (no ``ghost_norm`` there;
-  ``shard_grads`` reduce-scatters the dense form), nor for a head tied to another weight (its
-  per-unit gradient is then a sum with the other's, which ``ghost_norm`` does not split: rows
-  would only add dz's memory).
+  same values. Not under cp (no ``ghost_norm`` there; ``shard_grads`` reduce-scatters the dense
+  form), nor for a head tied to another weight (its per-unit gradient is then a sum with the
+  other's, which ``ghost_norm`` does not split: rows would only add dz's memory).
 
 Which position of h a loss term belongs to is found by replaying the chain between the
 logits and the NLL on an index tensor (arange over h's rows, the class dim of size 1), so

@@ -310,11 +310,6 @@ def test_a_chosen_sample_rate_is_public_and_the_expected_batch_size_is_not(tmp_p
     assert summary["sample_rate"] == privacy["sample_rate"] == 0.3
     assert privacy["sample_rate_source"] == summary["sample_rate_source"] == "chosen: public"
     assert "expected_batch_size" not in summary and summary["not_covered_by_dp"]["expected_batch_size"] == 3.0
-    # the unit slots choose between forms of the step's sums (their rounding differs): never from q·N
-    from longshield_fx.packing import unit_slots_for
-    packing = summary["not_covered_by_dp"]["packing"]
-    assert packing["unit_slots"] == unit_slots_for(packing["rows_per_physical_batch"], 32) != \
-        unit_slots_for(packing["rows_per_physical_batch"], 32, 3.0)
 
 
 def test_audit_of_a_lora_fine_tune_on_the_users_documents(world):
