@@ -19,10 +19,12 @@ longer than B·R rows in the packed one). Medians over ``--repeats`` steps, the 
 alternating step by step so machine drift hits both alike. Under context parallelism the packed
 batches' ring attention skips the chunk pairs that share no document: the share is reported for
 each ``--ring-cp`` degree, counted from the batches' document ids (``pairs_skipped``).
+``--inductor`` runs both layouts' DP steps through inductor (``compile(..., inductor=True)``),
+every graph compiled before the timed steps.
 
     python benchmarks/packed_documents.py [--seq-len 256] [--units-per-batch 4] [--max-rows 4]
         [--expected-units 32] [--units 2000] [--repeats 5] [--model tiny] [--data DIR] [--ring-cp 2,4,8]
-        [--packed-rows ROWS] [--slots U]
+        [--packed-rows ROWS] [--slots U] [--inductor]
 
 Prints a table (markdown) and writes it to benchmarks/results/packed_documents.md, in the section
 headed by its command line (other commands' sections are kept).
@@ -113,6 +115,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=0, help="U: unit slots per packed batch (default: packing.unit_slots_for(rows, T))")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--inductor", action="store_true", help="both layouts' DP steps through inductor "
+                    "(compile(..., inductor=True)); each row count's graph compiled before the timed steps")
     ap.add_argument("--data", default=None, help="a directory of text files (one unit each) instead")
     ap.add_argument("--ring-cp", default="2,4,8", help="cp degrees whose share of ring chunk pairs skipped is "
                     "reported for the packed batches (comma-separated; empty: none)")
@@ -129,10 +133,14 @@ def main() -> None:
     rows = args.packed_rows or packed_rows(R, B)
     slots = args.slots or unit_slots_for(rows, T, q * N)
     config = lf.DPConfig(max_grad_norm=1.0, noise_multiplier=1.0)
-    padded = lf.compile(lf.CausalLMLoss(lm), config=config)
-    packed = lf.compile(lf.PackedCausalLMLoss(lm), config=config, packed_units=slots)
-    for r in row_counts(rows):  # every row count's graph captured before the timed steps
-        packed.lower(*empty_batch(r, T, slots).tensors())
+    padded = lf.compile(lf.CausalLMLoss(lm), config=config, inductor=args.inductor)
+    packed = lf.compile(lf.PackedCausalLMLoss(lm), config=config, packed_units=slots, inductor=args.inductor)
+    for r in row_counts(rows):  # every row count's graph captured (and compiled) before the timed steps
+        if args.inductor:
+            packed.accumulate(*empty_batch(r, T, slots).tensors())
+            packed.finalize(LogicalBatch(0, torch.arange(0), [], q, q * N))
+        else:
+            packed.lower(*empty_batch(r, T, slots).tensors())
     g = torch.Generator().manual_seed(1)
     draws = [(torch.rand(N, generator=g) < q).nonzero().squeeze(1).tolist() for _ in range(args.repeats + 1)]
 

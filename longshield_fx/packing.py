@@ -9,7 +9,8 @@ straddles two rows, and a physical batch holds at most U units: its unit slots.
 
 What is left once B rows would no longer be filled goes into batches of B/2, B/4, ... rows
 (at least 2; ``row_counts``): the largest that the remaining tokens fill, then smaller ones, so
-a logical batch's last batches are not mostly padding. The engine captures each row count once
+a logical batch's last batches are not mostly padding; or into one larger batch, where that
+holds them in no more rows (the same padding in fewer runs of the graph). The engine captures each row count once
 (a fixed set of shapes, not one per logical batch size); which ones a logical batch used depends
 on the units drawn and, like how many physical batches it needed, is not released.
 
@@ -101,21 +102,42 @@ def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, ro
     alone = [_rows_alone(ps, seq_len) for ps in pieces]
     order = sorted((i for i, ps in enumerate(pieces) if ps), key=lambda i: -tokens[i])
     counts = row_counts(rows)
-    batches: list[tuple[list[int], list[list[tuple[int, list[int]]]]]] = []  # (members, rows of (slot, piece))
-    left, left_tokens = order, sum(tokens[i] for i in order)
-    while left:
-        need = -(-left_tokens // seq_len)  # rows the units left fill at the least
+
+    def next_batch(left: list[int]):
+        """(members, rows of (slot, piece), rest): the next batch of the units ``left``, of the
+        largest row count their tokens fill, at least the rows the unit needing most takes alone
+        (left for a later batch, it would take a larger one of its own)."""
+        need = -(-sum(tokens[i] for i in left) // seq_len)  # rows the units left fill at the least
         size = max((c for c in counts if c <= need), default=counts[-1])
-        # at least the rows the unit needing most takes alone: left for a later batch, it would
-        # take a larger one of its own
-        most = max(alone[i] for i in left)
-        size = max(size, min((c for c in counts if c >= most), default=rows))
+        size = max(size, min((c for c in counts if c >= max(alone[i] for i in left)), default=rows))
         for size in sorted(c for c in counts if c >= size):  # larger only when no unit left fits
             members, rows_of, rest = _fill(left, pieces, tokens, size, seq_len, unit_slots)
             if members:
-                break
+                return members, rows_of, rest
+        raise AssertionError("pack_documents: a unit fits no batch")  # rows >= any unit's (truncated) rows
+
+    def tail(left: list[int]) -> list:
+        """The batches of units that fill at most ``rows`` rows: the next batch and the tail after
+        it, or one batch of as many rows or fewer that holds them all (the same token slots or
+        fewer, and fewer graph runs: each physical batch runs the whole graph)."""
+        members, rows_of, rest = next_batch(left)
+        if not rest:
+            return [(members, rows_of)]
+        plan = [(members, rows_of)] + tail(rest)
+        planned_rows = sum(len(r) for _, r in plan)
+        for size in (c for c in sorted(counts) if len(rows_of) < c <= planned_rows):
+            one, one_rows, one_rest = _fill(left, pieces, tokens, size, seq_len, unit_slots)
+            if not one_rest:
+                return [(one, one_rows)]
+        return plan
+
+    batches: list[tuple[list[int], list[list[tuple[int, list[int]]]]]] = []  # (members, rows of (slot, piece))
+    left = order
+    while left and sum(tokens[i] for i in left) > rows * seq_len:  # full batches first
+        members, rows_of, left = next_batch(left)
         batches.append((members, rows_of))
-        left, left_tokens = rest, left_tokens - sum(tokens[i] for i in members)
+    if left:
+        batches += tail(left)
     out = [_tensors(members, rows_of, seq_len, unit_slots, pad_id) for members, rows_of in batches]
     placed = sum(tokens[i] for i in order)
     slots = sum(len(rows_of) for _, rows_of in batches) * seq_len
