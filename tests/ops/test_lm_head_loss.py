@@ -10,7 +10,9 @@ from longshield_fx.ops.segment import segment_outer
 B, T, d, V, U = 3, 10, 8, 16, 5
 
 
-def _inputs(dtype=torch.float32):
+def _inputs(dtype=torch.float32, runs=False):
+    """``runs``: each unit's positions one run, read row after row (a unit continued across a
+    row end), as packing lays them out; else each position's unit drawn at random."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(B, T, d, generator=g).to(dtype)
     w = torch.randn(V, d, generator=g).to(dtype)
@@ -19,13 +21,16 @@ def _inputs(dtype=torch.float32):
     labels[1, 2] = -100
     grad = torch.rand(B, T, generator=g)
     units = torch.randint(0, U, (B, T), generator=g)
+    if runs:
+        units = (torch.arange(B * T) // 7).clamp(max=U - 1).view(B, T)
     units[0, 7:] = U
     return h, w, labels, grad, units
 
 
+@pytest.mark.parametrize("runs", [False, True])
 @pytest.mark.parametrize("chunk", [3, 10])
-def test_rows_equal_the_per_slot_sums(chunk):
-    h, w, labels, grad, units = _inputs()
+def test_rows_equal_the_per_slot_sums(chunk, runs):
+    h, w, labels, grad, units = _inputs(runs=runs)
     loss, grad_h, per_slot = lm_head_loss(h, w, labels, grad, chunk, -100, torch.float32, True, units, U + 1)
     loss_r, grad_h_r, rows = lm_head_loss(h, w, labels, grad, chunk, -100, torch.float32, True, None, 0, True)
     assert torch.equal(loss_r, loss) and torch.equal(grad_h_r, grad_h)  # the same chunks, the same formulas
