@@ -257,6 +257,30 @@ def test_cp1_rows_of_one_document_are_attended_as_they_are(rows):
     assert not kernels._cudnn(q.bfloat16())  # never on the CPU
 
 
+def test_cp1_rows_mostly_of_one_document_each_go_to_the_kernel_whole_and_the_rest_run_by_run():
+    """Three of four rows one document each (long documents): the kernel runs on every row as
+    it lies and the fourth row, of many documents and padding, attended run by run, replaces
+    what the kernel made of it. With scores in the hundreds the kernel's backward of that row,
+    under its run-by-run lse, may overflow; none of it reaches the result, which is each run
+    alone's, finite, for the rows of one document and the row of many alike."""
+    g = torch.Generator().manual_seed(11)
+    q, grad = (torch.randn(4, HQ, 96, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(4, HKV, 96, D, generator=g) for _ in range(2))
+    q, k = q * 8, k * 8
+    segments = torch.arange(4)[:, None].expand(4, 96).clone()
+    segments[2] = torch.cat([torch.full((n,), 10 + i) for i, n in enumerate([1, 40, 3, 17, 30])] + [torch.arange(50, 55)])
+    plan = doc_attention._run_plan(segments, HQ, D)
+    assert plan.rest.tolist() == [2] and sum(b.n * b.P for b in plan.buckets) >= 96
+    ref_out, ref_grads = _each_run_alone(q, k, v, grad, segments)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, _ = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=1e-5)
+    _assert_one_rank_is_document_attention(q / 8, k / 8, v, grad, segments)  # and lse, at ordinary scores
+
+
 def test_document_runs_cut_rows_where_the_attention_mask_does():
     """A whole row of packed documents (cp = 1) attends run by run: on the CPU in groups of runs
     of one padded length (``test_cp1_packed_documents_equal_document_attention``), on a GPU in
