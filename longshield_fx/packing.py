@@ -10,9 +10,10 @@ straddles two rows, and a physical batch holds at most U units: its unit slots.
 What is left once B rows would no longer be filled goes into batches of B/2, B/4, ... rows
 (at least 2; ``row_counts``): the largest that the remaining tokens fill, then smaller ones, so
 a logical batch's last batches are not mostly padding; or into one larger batch, where that
-holds them in no more rows (the same padding in fewer runs of the graph). The engine captures each row count once
-(a fixed set of shapes, not one per logical batch size); which ones a logical batch used depends
-on the units drawn and, like how many physical batches it needed, is not released.
+holds them in no more rows (no more padding, in fewer runs of the graph). The engine captures
+each row count once (a fixed set of shapes, not one per logical batch size); which ones a
+logical batch used depends on the units drawn and, like how many physical batches it needed, is
+not released.
 
 A physical batch is four (B, T) tensors, ``PackedBatch.tensors()``: the token ids, the
 labels (-100 on padding), the position of each token within its piece (0 at the piece's first
@@ -117,19 +118,28 @@ def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, ro
         raise AssertionError("pack_documents: a unit fits no batch")  # rows >= any unit's (truncated) rows
 
     def tail(left: list[int]) -> list:
-        """The batches of units that fill at most ``rows`` rows: the next batch and the tail after
-        it, or one batch of as many rows or fewer that holds them all (the same token slots or
-        fewer, and fewer graph runs: each physical batch runs the whole graph)."""
-        members, rows_of, rest = next_batch(left)
-        if not rest:
-            return [(members, rows_of)]
-        plan = [(members, rows_of)] + tail(rest)
-        planned_rows = sum(len(r) for _, r in plan)
-        for size in (c for c in sorted(counts) if len(rows_of) < c <= planned_rows):
-            one, one_rows, one_rest = _fill(left, pieces, tokens, size, seq_len, unit_slots)
-            if not one_rest:
-                return [(one, one_rows)]
-        return plan
+        """The batches of units that fill at most ``rows`` rows: from the last halving batch back,
+        each batch and the ones after it, or one batch of as many rows or fewer that holds all
+        their units (no more token slots, and fewer graph runs: each physical batch runs the
+        whole graph)."""
+        halving = []  # (the units left before it, members, rows of (slot, piece)) per halving batch
+        while left:
+            members, rows_of, rest = next_batch(left)
+            halving.append((left, members, rows_of))
+            left = rest
+        after: list = []  # the batches chosen for the units after the current one
+        for before, members, rows_of in reversed(halving):
+            planned = [(members, rows_of)] + after
+            planned_rows = sum(len(r) for _, r in planned)
+            after = planned
+            if len(planned) == 1 or len(before) > unit_slots:
+                continue
+            for size in (c for c in sorted(counts) if len(rows_of) < c <= planned_rows):
+                one, one_rows, one_rest = _fill(before, pieces, tokens, size, seq_len, unit_slots)
+                if not one_rest:
+                    after = [(one, one_rows)]
+                    break
+        return after
 
     batches: list[tuple[list[int], list[list[tuple[int, list[int]]]]]] = []  # (members, rows of (slot, piece))
     left = order

@@ -112,6 +112,8 @@ def test_a_logical_batchs_last_rows_take_the_fewest_batches_of_those_rows():
         packed, stats = pack_documents([units[i] for i in drawn], seq_len=256, rows=16, unit_slots=136)
         batches, slots, padding = batches + len(packed), slots + stats.token_slots, padding + stats.padding_slots
     assert batches == 89 and padding / slots == pytest.approx(0.0482, abs=5e-5)  # halving alone: 107 batches
+    packed, _ = pack_documents([[[1, 2]]] * 1200, seq_len=256, rows=128, unit_slots=1)  # a tail of 1200 batches
+    assert len(packed) == 1200 and sorted(m for pb in packed for m in pb.members) == list(range(1200))
 
 
 def test_bad_sizes_are_refused():

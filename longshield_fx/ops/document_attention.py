@@ -141,8 +141,9 @@ class _Bucket:
 
 
 class _RunPlan:
-    """The buckets of a batch's document runs, and ``inverse`` (B*L,): where each token's result
-    is in the buckets' results laid end to end.
+    """The buckets of a batch's document runs, and ``inverse`` (B*L,; len(rest)*L where ``rest``
+    is set): where each token of the rows the buckets hold has its result in the buckets'
+    results laid end to end.
 
     ``rest``: None, or (where at least ``_MOSTLY_WHOLE`` of the rows are one run each: long
     documents) the rows that are not, which alone the buckets hold. Then the kernel runs on
@@ -223,8 +224,8 @@ def _run_plan(segments: Tensor, heads: int, head_dim: int) -> _RunPlan | None:
 
 def _cpu_runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -> tuple[Tensor, Tensor]:
     """Causal flash attention within each document run, one kernel call per bucket of runs
-    (``_RunPlan``); K/V un-repeated (the CPU kernel takes GQA as it is). Returns out and lse in the
-    flash layout, fresh tensors."""
+    (``_RunPlan``; where most rows are one run, one call on every row first); K/V un-repeated
+    (the CPU kernel takes GQA as it is). Returns out and lse in the flash layout, fresh tensors."""
     plan = _run_plan(segments, q.shape[1], q.shape[3])
     if plan is None or plan.rest is not None:  # every row, or most, one run: the kernel on the rows as they are
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
