@@ -117,37 +117,27 @@ def pack_documents(units: Sequence[Sequence[Sequence[int]]], *, seq_len: int, ro
                 return members, rows_of, rest
         raise AssertionError("pack_documents: a unit fits no batch")  # rows >= any unit's (truncated) rows
 
-    def tail(left: list[int]) -> list:
-        """The batches of units that fill at most ``rows`` rows: from the last halving batch back,
-        each batch and the ones after it, or one batch of as many rows or fewer that holds all
-        their units (no more token slots, and fewer graph runs: each physical batch runs the
-        whole graph)."""
-        halving = []  # (the units left before it, members, rows of (slot, piece)) per halving batch
-        while left:
-            members, rows_of, rest = next_batch(left)
-            halving.append((left, members, rows_of))
-            left = rest
-        after: list = []  # the batches chosen for the units after the current one
-        for before, members, rows_of in reversed(halving):
-            planned = [(members, rows_of)] + after
-            planned_rows = sum(len(r) for _, r in planned)
-            after = planned
-            if len(planned) == 1 or len(before) > unit_slots:
-                continue
-            for size in (c for c in sorted(counts) if len(rows_of) < c <= planned_rows):
-                one, one_rows, one_rest = _fill(before, pieces, tokens, size, seq_len, unit_slots)
-                if not one_rest:
-                    after = [(one, one_rows)]
-                    break
-        return after
-
-    batches: list[tuple[list[int], list[list[tuple[int, list[int]]]]]] = []  # (members, rows of (slot, piece))
+    halving = []  # (the units left before it, members, rows of (slot, piece)) per batch of next_batch
     left = order
-    while left and sum(tokens[i] for i in left) > rows * seq_len:  # full batches first
-        members, rows_of, left = next_batch(left)
-        batches.append((members, rows_of))
-    if left:
-        batches += tail(left)
+    while left:
+        members, rows_of, left_after = next_batch(left)
+        halving.append((left, members, rows_of))
+        left = left_after
+    # From the last batch back: a batch and the ones chosen after it become one larger batch
+    # where that holds all their units in no more rows (no more token slots, and fewer runs of
+    # the graph, each of which costs its whole fixed work). A full batch has no larger count.
+    chosen, chosen_rows = [], 0  # the batches chosen after the current one, the last first
+    for before, members, rows_of in reversed(halving):
+        chosen.append((members, rows_of))
+        chosen_rows += len(rows_of)
+        if len(chosen) == 1 or len(before) > unit_slots:
+            continue
+        for size in (c for c in sorted(counts) if len(rows_of) < c <= chosen_rows):
+            one, one_rows, rest = _fill(before, pieces, tokens, size, seq_len, unit_slots)
+            if not rest:
+                chosen, chosen_rows = [(one, one_rows)], size
+                break
+    batches = chosen[::-1]
     out = [_tensors(members, rows_of, seq_len, unit_slots, pad_id) for members, rows_of in batches]
     placed = sum(tokens[i] for i in order)
     slots = sum(len(rows_of) for _, rows_of in batches) * seq_len
