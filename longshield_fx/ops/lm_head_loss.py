@@ -97,13 +97,12 @@ def lm_head_loss(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, chunk: int,
     work = torch.promote_types(logits_dtype, torch.float32)  # log_softmax accumulates in this
     for start in range(0, T, chunk):
         stop = min(start + chunk, T)
-        hc = h[:, start:stop]
         # the chunk's rows (B·c, d), one matmul over them as the unchunked graph's over all rows
         # (on the strided slice matmul runs B small ones: 3.5x slower on the CPU at B = 128, c = 8)
-        hc_rows = hc.reshape(-1, d)
+        hc_rows = h[:, start:stop].reshape(-1, d)
         loss[:, start:stop], dz = _chunk(hc_rows, wt, labels[:, start:stop], grad[:, start:stop], ignore_index, work)
         grad_h[:, start:stop] = torch.matmul(dz, w)
-        head.add(dz, hc, hc_rows, start, stop)
+        head.add(dz, hc_rows, start, stop)
     return loss, grad_h, head.result()
 
 
@@ -144,15 +143,14 @@ class _HeadGrad:
             self.acc = torch.zeros(slots if units is not None else B, V if weight_grad else 0, d,
                                    dtype=torch.float32, device=h.device)
 
-    def add(self, dz: Tensor, hc: Tensor, hc_rows: Tensor, start: int, stop: int) -> None:
-        """Take one chunk's logits' gradient ``dz`` (B, c, V) and hidden states ``hc`` (B, c, d),
-        also as rows ``hc_rows`` (B·c, d)."""
+    def add(self, dz: Tensor, hc_rows: Tensor, start: int, stop: int) -> None:
+        """Take one chunk's logits' gradient ``dz`` (B, c, V) and hidden rows ``hc_rows`` (B·c, d)."""
         if self.rows is not None:
             self.rows.view(dz.shape[0], -1, dz.shape[-1])[:, start:stop] = dz
         elif not self.acc.shape[1]:
             return  # a frozen head
         elif self.units is None:
-            _add_product(self.acc, dz.transpose(1, 2), hc)
+            _add_product(self.acc, dz.transpose(1, 2), hc_rows.view(*dz.shape[:2], -1))
         else:
             _add_per_unit(self.acc, dz, hc_rows, self.units[:, start:stop])
 

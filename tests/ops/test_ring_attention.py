@@ -142,6 +142,18 @@ def _each_run_alone(q, k, v, grad, segments):
     return out.detach(), torch.autograd.grad(out, (q, k, v), grad)
 
 
+def _assert_each_run_alone(q, k, v, grad, segments):
+    """The op at cp = 1: out, dq, dk and dv as each run alone gives them (``_each_run_alone``),
+    the gradients finite and within float rounding at the scores' magnitudes."""
+    ref_out, ref_grads = _each_run_alone(q, k, v, grad, segments)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, _ = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("hkv", [4, 1])
 def test_cp1_packed_documents_with_large_scores_equal_each_run_alone(hkv):
     """Scores in the hundreds (q and k scaled up) and runs of every padded length: the padding of
@@ -155,13 +167,7 @@ def test_cp1_packed_documents_with_large_scores_equal_each_run_alone(hkv):
     segments = torch.cat([torch.full((n,), i) for i, n in enumerate([1, 2, 5, 17, 33, 70, 32] * 2 + [100, 1, 3, 55])])
     segments = torch.cat([segments, torch.arange(100, 100 + 480 - len(segments))]).view(3, 160)  # padding tokens
     assert len({b.P for b in doc_attention._run_plan(segments, 4, D).buckets}) > 3
-    ref_out, ref_grads = _each_run_alone(q, k, v, grad, segments)
-    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    out, _ = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
-        assert got.isfinite().all()
-        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=1e-5)
+    _assert_each_run_alone(q, k, v, grad, segments)
 
 
 def test_run_plan_places_every_token_once():
@@ -271,13 +277,7 @@ def test_cp1_rows_mostly_of_one_document_each_go_to_the_kernel_whole_and_the_res
     segments[2] = torch.cat([torch.full((n,), 10 + i) for i, n in enumerate([1, 40, 3, 17, 30])] + [torch.arange(50, 55)])
     plan = doc_attention._run_plan(segments, HQ, D)
     assert plan.rest.tolist() == [2] and sum(b.n * b.P for b in plan.buckets) >= 96
-    ref_out, ref_grads = _each_run_alone(q, k, v, grad, segments)
-    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    out, _ = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    for got, want in zip(torch.autograd.grad(out, (qq, kk, vv), grad), ref_grads):
-        assert got.isfinite().all()
-        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=1e-5)
+    _assert_each_run_alone(q, k, v, grad, segments)
     _assert_one_rank_is_document_attention(q / 8, k / 8, v, grad, segments)  # and lse, at ordinary scores
 
 
