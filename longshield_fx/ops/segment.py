@@ -101,13 +101,16 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
     product as the matmul of its rows alone). On a GPU other rows are first gathered into that
     order. On the CPU a grouped matmul is a loop of matmuls anyway, in which an empty group costs
     about what a Python loop adds per product (a zeroed output and a call: 5-6 µs at 192 x 64),
-    so scattered rows, other dtypes and a batch of fewer units than half of ``groups`` loop over
-    the products, written in place."""
+    so scattered rows, other dtypes, a batch of fewer units than half of ``groups`` and one with
+    units of one run each, of one length and evenly spaced (``_evenly_spaced``: those are one
+    ``bmm``) loop over the products, written in place."""
     k, p, d = len(units), a.shape[1], b.shape[1]
     if k == 0:
         return a.new_zeros(groups, p, d)
     adjacent = _adjacent(units)
-    loop = a.device.type in _LOOPING and (not adjacent or 2 * k < groups)
+    looping = a.device.type in _LOOPING
+    evenly = _evenly_spaced(units) if looping and a.stride() == (p, 1) and b.stride() == (d, 1) else []
+    loop = looping and (not adjacent or 2 * k < groups or bool(evenly))
     if _grouped_mm_fits(a, b) and not loop:
         if not adjacent:
             index = _rows_in_order(units, a.device)
@@ -120,8 +123,15 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
             ends = torch.cat([ends, ends[-1:].expand(groups - k)])
         return grouped_mm(a[lo:hi].t(), b[lo:hi], ends.to(torch.int32))
     out = a.new_empty(max(groups, k), p, d)
+    for i, j, start, n, step in evenly:
+        x = a.as_strided((j - i, n, p), (step * p, p, 1), a.storage_offset() + start * p)
+        y = b.as_strided((j - i, n, d), (step * d, d, 1), b.storage_offset() + start * d)
+        torch.bmm(x.transpose(1, 2), y, out=out[i:j])
+    in_bmm = {u for i, j, *_ in evenly for u in range(i, j)}
     left, right = _runs_of(a.t(), b, units)
-    for product, xs, ys in zip(out[:k].unbind(0), left, right):
+    for u, (product, xs, ys) in enumerate(zip(out[:k].unbind(0), left, right)):
+        if u in in_bmm:
+            continue
         if len(xs) == 1:
             torch.mm(xs[0], ys[0], out=product)
         elif a.dtype in (torch.float32, torch.float64):
@@ -133,6 +143,30 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
             for x, y in zip(xs, ys):
                 total.addmm_(x.float(), y.float())
             product.copy_(total)
+    return out
+
+
+def _evenly_spaced(units: list[Runs]) -> list[tuple[int, int, int, int, int]]:
+    """(i, j, start, length, step) of each stretch of at least two consecutive units i..j-1 that
+    are one run of ``length`` rows each, the first at row ``start`` and each next ``step`` rows after
+    the one before: their rows are one strided view of the operand, and their products one
+    ``bmm``, as the padded layout's per-sample products are. A document longer than a unit's rows
+    is cut to whole rows (``--max-rows``), so batches of long documents are mostly such units:
+    on the CPU the matmuls of 4 units of 8192 rows run 20-35% faster as one ``bmm`` than one by
+    one (each of them a long, thin matmul that one core does most of)."""
+    out, i = [], 0
+    while i < len(units):
+        j = i + 1
+        if len(units[i]) == 1:
+            (start, n), step = units[i][0], None
+            while j < len(units) and len(units[j]) == 1 and units[j][0][1] == n:
+                gap = units[j][0][0] - units[j - 1][0][0]
+                if gap < n or (step is not None and gap != step):
+                    break
+                step, j = gap, j + 1
+            if j - i >= 2:
+                out.append((i, j, start, n, step))
+        i = j
     return out
 
 

@@ -76,6 +76,28 @@ def test_products_gathered_for_one_grouped_matmul_equal_the_loop(layout, monkeyp
     torch.testing.assert_close(grouped[1][:7], looped[1][:7], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_units_of_one_length_evenly_spaced_are_one_bmm_of_the_loops_products(dtype, monkeypatch):
+    """Long documents cut to whole rows make batches of units of one length, one after another
+    (slots 0-2 here, 24 rows each; slot 4, as long, comes after a unit of another length): their
+    products are one ``bmm`` over a strided view of the rows, the loop's values to rounding; an
+    inf in one of them stays in its product."""
+    lengths = [24, 24, 24, 10, 24, 14]
+    a, b = (x.to(dtype) for x in _rows(4))
+    unit, counts = _layout("sorted", lengths)
+    assert segment._evenly_spaced(segment._units(unit, counts)[1]) == [(0, 3, 0, 24, 24)]
+    a[30, 2] = float("inf")  # a row of slot 1
+    exact = _products(a, b, unit, counts)
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, 6)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.1)
+    finite = [0, 2, 3, 4, 5]
+    torch.testing.assert_close(held[finite].double(), exact[finite], **tol)
+    assert not held[1].isfinite().all() and not sq[1].isfinite()
+    monkeypatch.setattr(segment, "_evenly_spaced", lambda units: [])
+    looped = ops.segment_outer_norms(a, b, unit, counts, 6)[1]
+    torch.testing.assert_close(held[finite], looped[finite], **tol)
+
+
 def test_a_product_formed_again_with_another_norm_never_exceeds_the_norm_its_factor_used(monkeypatch):
     """A product beyond the held ones is formed again; were its rounding not the same (another
     kernel), its contribution is scaled to the norm clip used, and dropped if no longer finite."""
