@@ -164,14 +164,21 @@ def _add_per_unit(per_unit: Tensor, dz: Tensor, h_rows: Tensor, units: Tensor) -
 
     The chunk's positions read row after row lie in runs of one slot (a unit continued in the
     next row is one run across the row end). Where there are at most twice as many runs as
-    slots, each run is one product on the rows where they lie; otherwise the positions are
-    sorted by slot and gathered, one product per slot (a gathered copy of the chunk's gradient
-    costs about what a few products' calls do)."""
+    slots, each run is one product on the rows where they lie, and runs of one length whose
+    slots follow one another (units of whole rows: long documents) are one batched product;
+    otherwise the positions are sorted by slot and gathered, one product per slot (a gathered
+    copy of the chunk's gradient costs about what a few products' calls do)."""
     flat = units.reshape(-1)
     dz_rows = dz.reshape(-1, dz.shape[-1])
     starts = torch.cat([flat.new_zeros(1), (flat[1:] != flat[:-1]).nonzero().flatten() + 1])
     run_slots = flat.index_select(0, starts)
-    if starts.numel() <= 2 * run_slots.unique().numel():
+    m = starts.numel()
+    if m > 1 and flat.numel() % m == 0 and bool((starts == torch.arange(m) * (flat.numel() // m)).all()) \
+            and bool((run_slots == torch.arange(m) + run_slots[0]).all()):
+        first, n = int(run_slots[0]), flat.numel() // m
+        _add_product(per_unit[first:first + m], dz_rows.view(m, n, -1).transpose(1, 2), h_rows.view(m, n, -1))
+        return
+    if m <= 2 * run_slots.unique().numel():
         bounds = starts.tolist() + [flat.numel()]
         for slot, start, stop in zip(run_slots.tolist(), bounds[:-1], bounds[1:]):
             _add_product(per_unit[slot], dz_rows[start:stop].t(), h_rows[start:stop])

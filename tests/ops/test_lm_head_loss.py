@@ -12,7 +12,8 @@ B, T, d, V, U = 3, 10, 8, 16, 5
 
 def _inputs(dtype=torch.float32, runs=False):
     """``runs``: each unit's positions one run, read row after row (a unit continued across a
-    row end), as packing lays them out; else each position's unit drawn at random."""
+    row end), as packing lays them out; ``"rows"``: each row one unit (a long document's whole
+    rows), so that a chunk's runs are of one length; else each position's unit drawn at random."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(B, T, d, generator=g).to(dtype)
     w = torch.randn(V, d, generator=g).to(dtype)
@@ -21,13 +22,15 @@ def _inputs(dtype=torch.float32, runs=False):
     labels[1, 2] = -100
     grad = torch.rand(B, T, generator=g)
     units = torch.randint(0, U, (B, T), generator=g)
+    if runs == "rows":
+        return h, w, labels, grad, torch.arange(B)[:, None].expand(B, T).contiguous()
     if runs:
         units = (torch.arange(B * T) // 7).clamp(max=U - 1).view(B, T)
     units[0, 7:] = U
     return h, w, labels, grad, units
 
 
-@pytest.mark.parametrize("runs", [False, True])
+@pytest.mark.parametrize("runs", [False, True, "rows"])
 @pytest.mark.parametrize("chunk", [3, 10])
 def test_rows_equal_the_per_slot_sums(chunk, runs):
     h, w, labels, grad, units = _inputs(runs=runs)
