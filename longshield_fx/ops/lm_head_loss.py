@@ -173,8 +173,9 @@ def _add_per_unit(per_unit: Tensor, dz: Tensor, h_rows: Tensor, units: Tensor) -
     starts = torch.cat([flat.new_zeros(1), (flat[1:] != flat[:-1]).nonzero().flatten() + 1])
     run_slots = flat.index_select(0, starts)
     m = starts.numel()
-    if m > 1 and flat.numel() % m == 0 and bool((starts == torch.arange(m) * (flat.numel() // m)).all()) \
-            and bool((run_slots == torch.arange(m) + run_slots[0]).all()):
+    steps = torch.arange(m, device=flat.device)
+    if m > 1 and flat.numel() % m == 0 and bool((starts == steps * (flat.numel() // m)).all()) \
+            and bool((run_slots == steps + run_slots[0]).all()):
         first, n = int(run_slots[0]), flat.numel() // m
         _add_product(per_unit[first:first + m], dz_rows.view(m, n, -1).transpose(1, 2), h_rows.view(m, n, -1))
         return
