@@ -172,16 +172,13 @@ def _add_per_unit(per_unit: Tensor, dz: Tensor, h_rows: Tensor, units: Tensor) -
     dz_rows = dz.reshape(-1, dz.shape[-1])
     starts = torch.cat([flat.new_zeros(1), (flat[1:] != flat[:-1]).nonzero().flatten() + 1])
     run_slots = flat.index_select(0, starts)
-    m = starts.numel()
-    steps = torch.arange(m, device=flat.device)
-    if m > 1 and flat.numel() % m == 0 and bool((starts == steps * (flat.numel() // m)).all()) \
-            and bool((run_slots == steps + run_slots[0]).all()):
-        first, n = int(run_slots[0]), flat.numel() // m
-        _add_product(per_unit[first:first + m], dz_rows.view(m, n, -1).transpose(1, 2), h_rows.view(m, n, -1))
+    bounds, slots = starts.tolist() + [flat.numel()], run_slots.tolist()
+    m, n = len(slots), flat.numel() // len(slots)
+    if m > 1 and bounds == list(range(0, flat.numel() + 1, n)) and slots == list(range(slots[0], slots[0] + m)):
+        _add_product(per_unit[slots[0]:slots[0] + m], dz_rows.view(m, n, -1).transpose(1, 2), h_rows.view(m, n, -1))
         return
-    if m <= 2 * run_slots.unique().numel():
-        bounds = starts.tolist() + [flat.numel()]
-        for slot, start, stop in zip(run_slots.tolist(), bounds[:-1], bounds[1:]):
+    if m <= 2 * len(set(slots)):
+        for slot, start, stop in zip(slots, bounds[:-1], bounds[1:]):
             _add_product(per_unit[slot], dz_rows[start:stop].t(), h_rows[start:stop])
         return
     slot_of, order = flat.sort(stable=True)
