@@ -101,9 +101,9 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
     product as the matmul of its rows alone). On a GPU other rows are first gathered into that
     order. On the CPU a grouped matmul is a loop of matmuls anyway, in which an empty group costs
     about what a Python loop adds per product (a zeroed output and a call: 5-6 µs at 192 x 64),
-    so scattered rows, other dtypes, a batch of fewer units than half of ``groups`` and one with
-    units of one run each, of one length and evenly spaced (``_evenly_spaced``: those are one
-    ``bmm``) loop over the products, written in place."""
+    so there the products are written in place, one matmul each, for scattered rows, other
+    dtypes, a batch of fewer units than half of ``groups``, and one holding consecutive units of
+    one run each, of one length and evenly spaced (``_evenly_spaced``), which are one ``bmm``."""
     k, p, d = len(units), a.shape[1], b.shape[1]
     if k == 0:
         return a.new_zeros(groups, p, d)
@@ -128,10 +128,10 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
         y = b.as_strided((j - i, n, d), (step * d, d, 1), b.storage_offset() + start * d)
         torch.bmm(x.transpose(1, 2), y, out=out[i:j])
     in_bmm = {u for i, j, *_ in evenly for u in range(i, j)}
-    left, right = _runs_of(a.t(), b, units)
-    for u, (product, xs, ys) in enumerate(zip(out[:k].unbind(0), left, right)):
-        if u in in_bmm:
-            continue
+    rest = [u for u in range(k) if u not in in_bmm]
+    left, right = _runs_of(a.t(), b, [units[u] for u in rest])
+    for u, xs, ys in zip(rest, left, right):
+        product = out[u]
         if len(xs) == 1:
             torch.mm(xs[0], ys[0], out=product)
         elif a.dtype in (torch.float32, torch.float64):
@@ -153,7 +153,8 @@ def _evenly_spaced(units: list[Runs]) -> list[tuple[int, int, int, int, int]]:
     ``bmm``, as the padded layout's per-sample products are. A document longer than a unit's rows
     is cut to whole rows (``--max-rows``), so batches of long documents are mostly such units:
     on the CPU the matmuls of 4 units of 8192 rows run 20-35% faster as one ``bmm`` than one by
-    one (each of them a long, thin matmul that one core does most of)."""
+    one (long, thin matmuls, which the CPU's matmul spreads poorly over its cores). The LM head
+    op batches such units' head gradients alike (``lm_head_loss._add_per_unit``)."""
     out, i = [], 0
     while i < len(units):
         j = i + 1

@@ -12,8 +12,10 @@ B, T, d, V, U = 3, 10, 8, 16, 5
 
 def _inputs(dtype=torch.float32, runs=False):
     """``runs``: each unit's positions one run, read row after row (a unit continued across a
-    row end), as packing lays them out; ``"rows"``: each row one unit (a long document's whole
-    rows), so that a chunk's runs are of one length; else each position's unit drawn at random."""
+    row end), as packing lays them out; ``"whole rows"``: each row one unit (a long document's
+    whole rows), so that a chunk's runs are of one length with consecutive slots (one batched
+    product); ``"whole rows, slots out of order"``: the same, slots 2, 0, 1 (a product per run);
+    else each position's unit drawn at random."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(B, T, d, generator=g).to(dtype)
     w = torch.randn(V, d, generator=g).to(dtype)
@@ -22,15 +24,16 @@ def _inputs(dtype=torch.float32, runs=False):
     labels[1, 2] = -100
     grad = torch.rand(B, T, generator=g)
     units = torch.randint(0, U, (B, T), generator=g)
-    if runs == "rows":
-        return h, w, labels, grad, torch.arange(B)[:, None].expand(B, T).contiguous()
+    if runs in ("whole rows", "whole rows, slots out of order"):
+        slots = torch.arange(B) if runs == "whole rows" else torch.tensor([2, 0, 1])
+        return h, w, labels, grad, slots[:, None].expand(B, T).contiguous()
     if runs:
         units = (torch.arange(B * T) // 7).clamp(max=U - 1).view(B, T)
     units[0, 7:] = U
     return h, w, labels, grad, units
 
 
-@pytest.mark.parametrize("runs", [False, True, "rows"])
+@pytest.mark.parametrize("runs", [False, True, "whole rows", "whole rows, slots out of order"])
 @pytest.mark.parametrize("chunk", [3, 10])
 def test_rows_equal_the_per_slot_sums(chunk, runs):
     h, w, labels, grad, units = _inputs(runs=runs)
@@ -41,6 +44,10 @@ def test_rows_equal_the_per_slot_sums(chunk, runs):
     unit = units.reshape(-1)
     counts = torch.bincount(unit, minlength=U + 1)
     torch.testing.assert_close(segment_outer(rows, h.reshape(-1, d), unit, counts), per_slot, rtol=1e-5, atol=1e-6)
+    for s in range(U + 1):  # and each slot's sum of its positions' outer products, in float64
+        mine = unit == s
+        torch.testing.assert_close(per_slot[s].double(), rows[mine].double().t() @ h.reshape(-1, d)[mine].double(),
+                                   rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(head_weight_grad(rows, h.reshape(-1, d)), per_slot.sum(0), rtol=1e-5, atol=1e-5)
     # Each row is its position's logits' gradient: a position without a loss has a zero row.
     assert float(rows[1 * T + 2].abs().max()) == 0

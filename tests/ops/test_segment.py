@@ -77,25 +77,41 @@ def test_products_gathered_for_one_grouped_matmul_equal_the_loop(layout, monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_units_of_one_length_evenly_spaced_are_one_bmm_of_the_loops_products(dtype, monkeypatch):
-    """Long documents cut to whole rows make batches of units of one length, one after another
-    (slots 0-2 here, 24 rows each; slot 4, as long, comes after a unit of another length): their
-    products are one ``bmm`` over a strided view of the rows, the loop's values to rounding; an
-    inf in one of them stays in its product."""
-    lengths = [24, 24, 24, 10, 24, 14]
-    a, b = (x.to(dtype) for x in _rows(4))
-    unit, counts = _layout("sorted", lengths)
-    assert segment._evenly_spaced(segment._units(unit, counts)[1]) == [(0, 3, 0, 24, 24)]
+@pytest.mark.parametrize("capacity", [2, 6])
+def test_units_of_one_length_evenly_spaced_are_one_bmm_of_the_loops_products(dtype, capacity, monkeypatch):
+    """Long documents cut to whole rows make batches of units of one length, evenly spaced
+    (slots 0-2 here: 20 rows each, then 4 rows of padding; slot 4, as long, comes after a unit
+    of another length), read from operands that start inside their storage: those units'
+    products are one ``bmm`` over a strided view of the rows, the loop's values to rounding,
+    whether held (capacity 6) or formed again for the clipped sum (2); their norms and the
+    clipped sum are each unit alone's; an inf in one of them stays in its product."""
+    unit = torch.cat([torch.tensor([s] * 20 + [6] * 4) for s in range(3)] +
+                     [torch.full((10,), 3), torch.full((20,), 4), torch.full((18,), 5)])
+    counts = torch.bincount(unit, minlength=7)
+    counts[6] = 0  # the padding slot
+    assert segment._evenly_spaced(segment._units(unit, counts)[1]) == [(0, 3, 0, 20, 24)]
+    g = torch.Generator().manual_seed(4)
+    a, b = (torch.randn(7 + N, w, generator=g).to(dtype)[7:] for w in (P, D))
     a[30, 2] = float("inf")  # a row of slot 1
     exact = _products(a, b, unit, counts)
-    sq, held = ops.segment_outer_norms(a, b, unit, counts, 6)
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, capacity)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.1)
-    finite = [0, 2, 3, 4, 5]
-    torch.testing.assert_close(held[finite].double(), exact[finite], **tol)
-    assert not held[1].isfinite().all() and not sq[1].isfinite()
-    monkeypatch.setattr(segment, "_evenly_spaced", lambda units: [])
-    looped = ops.segment_outer_norms(a, b, unit, counts, 6)[1]
-    torch.testing.assert_close(held[finite], looped[finite], **tol)
+    finite = torch.tensor([0, 2, 3, 4, 5])
+    torch.testing.assert_close(held[finite[finite < capacity]].double(), exact[finite[finite < capacity]], **tol)
+    torch.testing.assert_close(sq[finite], exact[finite].pow(2).sum((1, 2)), rtol=2e-5 if dtype == torch.float32
+                               else 2e-2, atol=0)
+    assert not sq[1].isfinite()
+    factor = torch.rand(7, generator=g)
+    keep = sq.isfinite() & (counts > 0)
+    total = ops.segment_outer_clipped_sum(a, b, unit, counts, held, sq, factor, keep)
+    expected = (exact[finite] * factor[finite].double()[:, None, None]).sum(0)
+    torch.testing.assert_close(total.double(), expected, **tol)
+    if capacity > 1:
+        assert not held[1].isfinite().all()
+    monkeypatch.setattr(segment, "_evenly_spaced", lambda units: [])  # every product by the loop
+    looped = ops.segment_outer_norms(a, b, unit, counts, capacity)[1]
+    kept = finite[finite < capacity]
+    torch.testing.assert_close(held[kept], looped[kept], **tol)
 
 
 def test_a_product_formed_again_with_another_norm_never_exceeds_the_norm_its_factor_used(monkeypatch):
