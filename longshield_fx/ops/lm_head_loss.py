@@ -166,9 +166,9 @@ def _add_per_unit(per_unit: Tensor, dz: Tensor, h_rows: Tensor, units: Tensor) -
     next row is one run across the row end). Where there are at most twice as many runs as
     slots, each run is one product on the rows where they lie, and runs of one length whose
     slots follow one another (units of whole rows: long documents) are one batched product, as
-    ``segment._evenly_spaced`` units' products are;
-    otherwise the positions are sorted by slot and gathered, one product per slot (a gathered
-    copy of the chunk's gradient costs about what a few products' calls do)."""
+    ``segment._evenly_spaced`` units' products are; otherwise the positions are sorted by slot
+    and gathered, one product per slot (a gathered copy of the chunk's gradient costs about what
+    a few products' calls do)."""
     flat = units.reshape(-1)
     dz_rows = dz.reshape(-1, dz.shape[-1])
     starts = torch.cat([flat.new_zeros(1), (flat[1:] != flat[:-1]).nonzero().flatten() + 1])
