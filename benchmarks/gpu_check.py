@@ -368,26 +368,44 @@ def packed(args) -> None:
     lengths = [[int(n) for n in torch.randint(2, 300, (int(k),), generator=g)]  # at most 4 pieces a unit
                for k in torch.randint(1, 3, (16,), generator=g)]
     units = [[torch.randint(0, lm.cfg.vocab_size, (n,), generator=g).tolist() for n in docs] for docs in lengths]
-    (pb, *_), _ = pack_documents(units, seq_len=T, rows=4, unit_slots=16)
     oracle = copy.deepcopy(lm).double()
-    alone = []
-    for unit in pb.members:  # each unit alone on the CPU in float64, each piece a row of its own
-        plain = lf.CausalLMLoss(oracle)
-        oracle.zero_grad()
-        for piece in unit_pieces(units[unit], T):
-            x = torch.tensor([piece])
-            plain(x, x).sum().backward()
-        alone.append({f"lm.{n}": p.grad.clone() for n, p in oracle.named_parameters()})
-    def clipped_sum(dev):
-        """(per-unit gradients, norms, clipped sum) of the engine on ``dev``."""
+
+    def alone(docs_of: list) -> list:
+        """Each unit's gradient alone on the CPU in float64, each piece a row of its own."""
+        out = []
+        for docs in docs_of:
+            plain = lf.CausalLMLoss(oracle)
+            oracle.zero_grad()
+            for piece in unit_pieces(docs, T):
+                x = torch.tensor([piece])
+                plain(x, x).sum().backward()
+            out.append({f"lm.{n}": p.grad.clone() for n, p in oracle.named_parameters()})
+        return out
+
+    def clipped_sum(pb, dev, slots):
+        """(per-unit gradients, norms, clipped sum) of the engine on ``dev`` for the packed batch ``pb``."""
         model = lf.PackedCausalLMLoss(copy.deepcopy(lm).to(dev))
         tensors = tuple(t.to(dev) for t in pb.tensors())
-        engine = lf.compile(model, config=lf.DPConfig(C, 0.0, insecure_seed=0), packed_units=16)
+        engine = lf.compile(model, config=lf.DPConfig(C, 0.0, insecure_seed=0), packed_units=slots)
         grads = engine.per_sample_grads(*tensors)
         engine.accumulate(*tensors)
         norms = engine.last_norms.double().cpu()
-        engine.finalize(LogicalBatch(len(alone), torch.arange(len(alone)), [], 1.0, 1.0))
+        engine.finalize(LogicalBatch(len(pb.members), torch.arange(len(pb.members)), [], 1.0, 1.0))
         return grads, norms, {f"lm.{n}": p.grad.double().cpu() for n, p in model.lm.named_parameters()}
+
+    def against_each_unit_alone(title: str, docs_of: list, rows: int, slots: int) -> None:
+        (pb, *_), _ = pack_documents(docs_of, seq_len=T, rows=rows, unit_slots=slots)
+        refs = alone([docs_of[u] for u in pb.members])
+        grads, norms, summed = clipped_sum(pb, device, slots)
+        per_unit = max(_rel({n: g[slot] for n, g in grads.items()}, ref) for slot, ref in enumerate(refs))
+        true = torch.tensor([sum(float(v.pow(2).sum()) for v in ref.values()) ** 0.5 for ref in refs])
+        # The clip factor's denominator holds the float64 book-keeping rounding bound κ·A_u by design (clip.py),
+        # so the clipped sum is compared with the same engine's on the CPU, not with an oracle's factor.
+        clipped = _rel(summed, clipped_sum(pb, torch.device("cpu"), slots)[2])
+        print(f"small Llama fp32, {title}: {len(refs)} units in {pb.input_ids.shape[0]} rows of {T}: per-unit "
+              f"gradients rel. err. {per_unit:.2e}, norms {float(((norms[:len(refs)] - true).abs() / true).max()):.2e} "
+              f"(against each unit alone, CPU float64); clipped sum {clipped:.2e} (against the engine on the CPU)\n",
+              flush=True)
 
     def logical_batch(dev):
         """Every unit, in the batches of 4 and 2 rows packing makes, accumulated as one logical
@@ -404,15 +422,13 @@ def packed(args) -> None:
     print(f"## packed documents on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}\n")
     try:  # each section alone: a failure here leaves the attention checks to run
-        grads, norms, summed = clipped_sum(device)
-        per_unit = max(_rel({n: g[slot] for n, g in grads.items()}, ref) for slot, ref in enumerate(alone))
-        true = torch.tensor([sum(float(v.pow(2).sum()) for v in ref.values()) ** 0.5 for ref in alone])
-        # The clip factor's denominator holds the float64 book-keeping rounding bound κ·A_u by design (clip.py),
-        # so the clipped sum is compared with the same engine's on the CPU, not with an oracle's factor.
-        clipped = _rel(summed, clipped_sum(torch.device("cpu"))[2])
-        print(f"small Llama fp32, {len(alone)} units in 4 rows of {T}: per-unit gradients rel. err. {per_unit:.2e}, "
-              f"norms {float(((norms[:len(alone)] - true).abs() / true).max()):.2e} (against each unit alone, CPU "
-              f"float64); clipped sum {clipped:.2e} (against the engine on the CPU)\n")
+        against_each_unit_alone("documents shorter than a row", units, rows=4, slots=16)
+        # Long documents cut to whole rows: units of one length, one after another. With 4 slots the
+        # head's per-unit gradient is its dense (slots, V, d) form (smaller than the rows form here),
+        # whose units of whole rows are one batched product; the linear layers' products are one
+        # bmm on the CPU and one grouped matmul on a GPU.
+        whole_rows = [[torch.randint(0, lm.cfg.vocab_size, (2 * T,), generator=g).tolist()] for _ in range(4)]
+        against_each_unit_alone("units of two whole rows each", whole_rows, rows=8, slots=4)
         whole, rows, captures = logical_batch(device)
         print(f"all {len(units)} units as one logical batch, in batches of {' / '.join(map(str, rows))} rows "
               f"({captures} captures): clipped sum rel. err. {_rel(whole, logical_batch(torch.device('cpu'))[0]):.2e} "
