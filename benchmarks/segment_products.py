@@ -32,7 +32,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import torch
 
@@ -41,6 +40,7 @@ from longshield_fx.ops import segment
 from longshield_fx.packing import packed_rows, unit_pieces, unit_slots_for
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import timed  # noqa: E402
 from packed_documents import RESULTS, packed_batches, synthetic_corpus, write_section  # noqa: E402
 
 _NATIVE = r"""
@@ -92,14 +92,9 @@ def layouts(batches: int) -> list[list]:
     return out[:batches]
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm: the first call allocates
+    return 1e3 * statistics.median(timed(fn, repeats))
 
 
 def ways(a: torch.Tensor, b: torch.Tensor, units: list, native) -> dict:
@@ -167,8 +162,8 @@ def main() -> None:
                     cells.append("-")
                     continue
                 torch.testing.assert_close(found[name](), reference, rtol=1e-4, atol=1e-3)
-                cells.append(f"{timed(found[name], args.repeats):.3f}")
-            whole = timed(lambda: a.t() @ b, args.repeats)
+                cells.append(f"{median_ms(found[name], args.repeats):.3f}")
+            whole = median_ms(lambda: a.t() @ b, args.repeats)
             lines.append(f"| {rows}, {tokens}, {len(units)} ({lengths[len(lengths) // 2]}) | {p} x {d} | "
                          + " | ".join(cells) + f" | {whole:.3f} |")
     table = "\n".join(lines)
