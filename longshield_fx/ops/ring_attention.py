@@ -21,10 +21,11 @@ identical; the hops differ: w-1 inner hops per outer step and cp/w-1 outer hops,
 (with inner rings inside a node, the outer hops are the only inter-node traffic and all
 nodes' NICs carry them at once). ``inner=cp`` is the single ring.
 
-Blocks are merged with their log-sum-exp (fp32 accumulation). The backward pass rotates K/V around
-the ring again, calls the per-block flash backward with the GLOBAL (merged) ``out`` / ``lse`` (which
-gives the exact gradients of full attention: dq summed over blocks, dk/dv per block), and sends the
-fp32 dk/dv accumulators along with their blocks; one extra hop returns them to their owner.
+Blocks are merged with their log-sum-exp (fp32 accumulation; float64 for float64 inputs). The
+backward pass rotates K/V around the ring again, calls the per-block flash backward with the
+GLOBAL (merged) ``out`` / ``lse`` (which gives the exact gradients of full attention: dq summed
+over blocks, dk/dv per block), and sends the dk/dv accumulators (fp32, or float64) along with
+their blocks; one extra hop returns them to their owner.
 
 Packed documents (``segments``, (B, L) int64: each local token's document id, equal ids only
 within one contiguous piece of a row): a query attends to an earlier key of the same row only if
@@ -43,7 +44,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._torch import resolve_process_group
-from .attention_kernels import _block_bwd, _block_fwd, _empty_flash_layout, _expand_heads, _flash_layout, _reduce_heads
+from .attention_kernels import (_block_bwd, _block_fwd, _empty_flash_layout, _expand_heads, _flash_layout, _lse_dtype,
+                                _reduce_heads)
 from .document_attention import _one_rank_bwd, _one_rank_fwd
 from .ring_schedule import _Documents, _sel, blocks_per_rank
 
@@ -158,7 +160,7 @@ def ring_attention(
     q: (B, Hq, L, D), k/v: (B, Hkv, L, D), L = T/cp. ``inner``: the inner ring size w of a
     double ring (0 or cp: one ring). ``segments`` (B, L) int64: the local tokens' document ids
     (packed documents, see the module docstring). Returns out (B, Hq, L, D) in q's dtype and
-    lse (B, Hq, L) fp32 (natural log)."""
+    lse (B, Hq, L) (natural log) in fp32, float64 for float64 inputs (``_lse_dtype``)."""
     groups = _check_shapes(q, k, v, cp, segments)
     w = _inner_ring(cp, inner)
     if cp == 1:  # one block, one kernel call: nothing to merge
@@ -168,8 +170,9 @@ def ring_attention(
     group, rank = _resolve_group(group_name, cp)
     rings = _Rings(group, rank, cp, w)
     B, Hq, L, D = q.shape
-    acc_out = torch.zeros(B, Hq, L, D, dtype=torch.float32, device=q.device)
-    acc_lse = torch.full((B, Hq, L), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = _lse_dtype(q)
+    acc_out = torch.zeros(B, Hq, L, D, dtype=acc, device=q.device)
+    acc_lse = torch.full((B, Hq, L), float("-inf"), dtype=acc, device=q.device)
     outer_kv = torch.stack([k, v])  # travels un-repeated
     docs = _Documents.gathered(segments, group, cp)
     pairs = calls = 0
@@ -187,7 +190,7 @@ def ring_attention(
                 was_out, was_lse = _rows(a_out, rows), _rows(a_lse, rows)
                 new = torch.logaddexp(was_lse, lse)
                 finite = new.masked_fill(new == float("-inf"), 0.0)  # no key yet: keep 0 and -inf
-                merged = was_out * torch.exp(was_lse - finite).unsqueeze(-1) + out.float() * torch.exp(
+                merged = was_out * torch.exp(was_lse - finite).unsqueeze(-1) + out.to(acc) * torch.exp(
                     lse - finite).unsqueeze(-1)
                 _put_rows(a_out, rows, merged)
                 _put_rows(a_lse, rows, new)
@@ -205,7 +208,7 @@ def _(q, k, v, scale, group_name, cp, inner=0, segments=None):
     _check_shapes(q, k, v, cp, segments)
     _inner_ring(cp, inner)
     B, Hq, L, _ = q.shape
-    return _empty_flash_layout(q.shape, q), _empty_flash_layout((B, Hq, L), q, torch.float32)
+    return _empty_flash_layout(q.shape, q), _empty_flash_layout((B, Hq, L), q, _lse_dtype(q))
 
 
 @torch.library.custom_op("longshield::ring_attention_backward", mutates_args=())
@@ -228,14 +231,14 @@ def ring_attention_backward(
     w = _inner_ring(cp, inner)
     grad_out = grad_out.to(q.dtype)
     out = out.to(q.dtype)
-    lse = lse.float()
+    lse = lse.to(_lse_dtype(q))
     if cp == 1:
         grads = _one_rank_bwd(grad_out, q, k, v, out, lse, scale, segments, groups)
         last_block_counts.update(backward=blocks_per_rank(1)[0], backward_calls=1, backward_skipped=0)
         return grads
     group, rank = _resolve_group(group_name, cp)
     rings = _Rings(group, rank, cp, w)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=_lse_dtype(q), device=q.device)
     outer_kv = torch.stack([k, v])
     outer_dkv_ex = None
     docs = _Documents.gathered(segments, group, cp)
@@ -246,7 +249,7 @@ def ring_attention_backward(
         for i in range(w):
             ex = rings.inner_exchange(kv) if i < w - 1 else None
             kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            dkv = torch.zeros(kv.shape, dtype=_lse_dtype(q), device=q.device)
             src = rings.source(o, i)
             for qs, ks, causal, n, allowed, rows in docs.plan(cp, rank, src):
                 dq_b, dk_b, dv_b = _block_bwd(

@@ -305,6 +305,34 @@ def test_document_runs_cut_rows_where_the_attention_mask_does():
     assert doc_attention._by_document_runs(q, segments) and not doc_attention._by_document_runs(q, None)
 
 
+@pytest.mark.parametrize("rows", ["no documents", "one document each", "mostly one document each", "runs"])
+def test_cp1_float64_equals_the_oracle_and_keeps_lse_in_float64(rows):
+    """float64 inputs (``DPConfig(compute_dtype=torch.float64)``, float64 models): out, lse, dq,
+    dk and dv against the float64 oracle on every path of the op at cp = 1, lse in float64 (the
+    CPU kernel's backward takes it in its accumulation dtype)."""
+    q, k, v, grad = (x.double() for x in _inputs(6))
+    segments = {"no documents": None,
+                "one document each": torch.arange(B)[:, None].expand(B, T).clone(),
+                "mostly one document each": torch.cat([torch.arange(3)[:, None].expand(3, T),
+                                                       packed_segments(1, T, seed=4) + 100]),
+                "runs": packed_segments(B, T, seed=2)}[rows]
+    if rows == "mostly one document each":
+        q, k, v, grad = (torch.cat([x, x[:1], x[:1]])[:4] for x in (q, k, v, grad))
+        assert doc_attention._run_plan(segments, HQ, D).rest.tolist() == [3]
+    if rows == "runs":
+        segments[0, :3] = torch.tensor([-1, -2, -3])  # one-token runs: the kernel-free bucket
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = torch.ops.longshield.ring_attention(qq, kk, vv, D**-0.5, "unused", 1, 0, segments)
+    grads = torch.autograd.grad(out, (qq, kk, vv), grad)
+    if segments is None:
+        ref_out, ref_lse, ref_grads = causal_attention(q, k, v, grad)
+    else:
+        ref_out, ref_lse, ref_grads = document_attention(q, k, v, grad, segments)
+    assert out.dtype == lse.dtype == torch.float64
+    for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
 def test_cp1_opcheck():
     q, k, v, _ = _inputs(1, T=8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -353,16 +381,17 @@ def test_double_ring_matches_full_attention(distributed, inner):
 
 
 @pytest.mark.torchrun(4)
-@pytest.mark.parametrize("cp, inner", [(4, 4), (2, 2), (4, 2)])
-def test_packed_documents_ring_matches_document_attention(distributed, cp, inner):
+@pytest.mark.parametrize("cp, inner, dtype", [(4, 4, ""), (2, 2, ""), (4, 2, ""), (4, 2, "-float64")])
+def test_packed_documents_ring_matches_document_attention(distributed, cp, inner, dtype):
     """Rows of packed documents (``segments``): every token attends causally within its own
     document, on a single ring (cp=4; cp=2 on strided groups) and a double ring, against
-    ``document_attention`` (assert_close at TOL). Isolation: another document's q, k and v
+    ``document_attention`` (assert_close at TOL; float64 inputs, the double ring, at 1e-12 with
+    lse and the accumulators in float64). Isolation: another document's q, k and v
     replaced leave every other token's out, lse, dq, dk and dv unchanged (≤ 1e-6), while the
     document's own output moves. A row whose chunk pairs in a call share no document is left out of
     it, in the forward and backward alike, and ``pairs_skipped`` (no process group) counts the same."""
     skipped = 0
-    for rank, r in distributed.check(4, f"packed-ring-cp{cp}-w{inner}").items():
+    for rank, r in distributed.check(4, f"packed-ring-cp{cp}-w{inner}{dtype}").items():
         for name in ("out", "lse", "dq", "dk", "dv"):
             assert r[name] is None, f"rank {rank}: {r[name]}"
         assert r["isolation"] <= 1e-6 and r["document_changed"] > 0.1, (rank, r["isolation"], r["document_changed"])

@@ -263,8 +263,9 @@ def dcp_resume(path: str, noise_path: str) -> dict:
     return out
 
 
-def ring_case(world: int, cp: int, hkv: int, inner: int = 0, packed: bool = False) -> dict:
-    """Ring attention over cp ranks (a double ring with inner rings of ``inner``). cp groups are
+def ring_case(world: int, cp: int, hkv: int, inner: int = 0, packed: bool = False,
+              dtype: torch.dtype = torch.float32) -> dict:
+    """Ring attention over cp ranks (a double ring with inner rings of ``inner``), inputs in ``dtype``. cp groups are
     strided ({0, 2}, {1, 3} for world 4, cp 2) so that global and group ranks differ; each
     group (dp replica) gets its own data. ``packed``: rows of packed documents (the op's
     ``segments``) against ``document_attention``, and isolation: one document's q, k and v
@@ -278,7 +279,8 @@ def ring_case(world: int, cp: int, hkv: int, inner: int = 0, packed: bool = Fals
     cp_rank = dist.get_rank(group)
     assert cp_rank == rank // n_rep
 
-    q, k, v, grad = attention_inputs(100 * cp + dp, HKV=hkv)
+    q, k, v, grad = (x.to(dtype) for x in attention_inputs(100 * cp + dp, HKV=hkv))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
     B, HQ, T, D = q.shape
     HKV = k.shape[1]
     segments = packed_segments(B, T, seed=cp + dp) if packed else None
@@ -306,7 +308,9 @@ def ring_case(world: int, cp: int, hkv: int, inner: int = 0, packed: bool = Fals
     for name, got, want in [("out", out, ref_out), ("lse", lse, ref_lse),
                             ("dq", dq, ref_grads[0]), ("dk", dk, ref_grads[1]), ("dv", dv, ref_grads[2])]:
         try:
-            torch.testing.assert_close(gathered(got), want, atol=1e-5, rtol=1e-5)
+            expected = torch.promote_types(dtype, torch.float32) if name == "lse" else dtype
+            assert got.dtype == expected, f"cp={cp} {name}: {got.dtype}, not {expected}"
+            torch.testing.assert_close(gathered(got), want, atol=tol, rtol=tol)
             result[name] = None
         except AssertionError as e:
             result[name] = f"cp={cp} {name}: {e}"
@@ -498,6 +502,7 @@ def main():
             record(f"ring-cp4-w{inner}", ring_case, world, 4, 2, inner)
         for cp, inner in ((4, 0), (2, 0), (4, 2)):  # packed documents: single rings, a double ring
             record(f"packed-ring-cp{cp}-w{inner or cp}", ring_case, world, cp, 2, inner, True)
+        record("packed-ring-cp4-w2-float64", ring_case, world, 4, 2, 2, True, torch.float64)
     resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--resume=")]
     if resume:  # ``cp_worker.py OUT_DIR --resume=PATH,NOISY_PATH``: only the resumed run
         record("dcp_resume", dcp_resume, *resume[0].split(","))
