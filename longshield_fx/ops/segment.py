@@ -35,8 +35,18 @@ Runs = list[tuple[int, int]]  # a unit's rows: (start, length) of each run, in r
 
 
 def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes the rows of ``a`` and ``b`` once gathered into fresh
+    tensors: a dtype it has, and rows of a multiple of 16 bytes."""
     return (a.dtype in (torch.float32, torch.bfloat16, torch.float16) and a.dtype == b.dtype
             and (a.shape[1] * a.element_size()) % 16 == 0 and (b.shape[1] * b.element_size()) % 16 == 0)
+
+
+def _as_they_lie(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``x``'s rows where they are: row-major, each row and
+    the first one starting at a multiple of 16 bytes (a column slice or a transposed operand does
+    not; ``_products`` gathers those)."""
+    return (x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0
+            and (x.data_ptr() % 16 == 0 or x.numel() == 0))
 
 
 _found_units: list = []  # the last two (unit, counts, their units): copies, compared by value
@@ -112,7 +122,7 @@ def _products(a: torch.Tensor, b: torch.Tensor, units: list[Runs], groups: int =
     evenly = _evenly_spaced(units) if looping and a.stride() == (p, 1) and b.stride() == (d, 1) else []
     loop = looping and (not adjacent or 2 * k < groups or bool(evenly))
     if _grouped_mm_fits(a, b) and not loop:
-        if not adjacent:
+        if not (adjacent and _as_they_lie(a) and _as_they_lie(b)):
             index = _rows_in_order(units, a.device)
             a, b = a.index_select(0, index), b.index_select(0, index)
             lo, hi = 0, index.numel()
@@ -336,7 +346,8 @@ def segment_outer_clipped_sum(a: torch.Tensor | None, b: torch.Tensor | None, un
             index = take.nonzero().flatten()
             rows, scale = rows.index_select(0, index), scale.index_select(0, index)
         if rows.shape[0]:
-            out.add_(torch.mv(rows.float().t(), scale))
+            acc = scaling_dtype(rows)
+            out.add_(torch.mv(rows.to(acc).t(), scale.to(acc)))
 
     add(held[:kept], chosen[:kept], f[:kept])
     for i, j in _chunks(len(units) - kept, p * d):
@@ -396,9 +407,18 @@ def unit_weighted_sum(x: torch.Tensor, factor: torch.Tensor, keep: torch.Tensor)
         return out.view(x.shape[1:])
     per, cols = _pieces(slots.numel(), rows.shape[1], x.device)  # upcast copies small enough to stay in cache
     cols = cols if per >= slots.numel() else max(1, cols // slots.numel())  # k x cols in a piece
+    acc = scaling_dtype(x)
     for j in range(0, rows.shape[1], cols):
-        out[j:j + cols] = torch.mv(rows[:, j:j + cols].index_select(0, slots).float().t(), f)
+        out[j:j + cols] = torch.mv(rows[:, j:j + cols].index_select(0, slots).to(acc).t(), f.to(acc))
     return out.view(x.shape[1:])
+
+
+def scaling_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype per-unit gradients are scaled and summed in before the fp32 result: fp32 (bf16 and
+    fp16 values are exact in it), float64 for float64 ones, whose values may lie beyond fp32's range
+    while their norm is finite: cast before the scaling, such a kept unit would be inf, and inf times
+    its factor inf or nan in every coordinate of the sum."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 @unit_weighted_sum.register_fake

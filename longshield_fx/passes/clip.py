@@ -56,6 +56,7 @@ import torch.fx as fx
 from .._torch import c10d
 from ._context import CP_SHARD_DIM, PER_SAMPLE_GRAD, PassContext
 from ._graph import GraphBuilder, eliminate_dead_code, val
+from ..ops.segment import scaling_dtype
 from .ghost_norm import outer_operands, products_held
 from .per_sample import PerSampleGrad, Rewriter
 
@@ -306,7 +307,11 @@ def _min1(b, x: fx.Node) -> fx.Node:
 
 
 def _fp32(b, x: fx.Node) -> fx.Node:
-    return x if val(x).dtype == torch.float32 else b(aten._to_copy.default, x, dtype=torch.float32)
+    return _as(b, x, torch.float32)
+
+
+def _as(b, x: fx.Node, dtype: torch.dtype) -> fx.Node:
+    return x if val(x).dtype == dtype else b(aten._to_copy.default, x, dtype=dtype)
 
 
 def _mask_rows(b, keep: fx.Node, x: fx.Node) -> fx.Node:
@@ -473,20 +478,27 @@ def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, owner: fx.Node | None = 
 
 def _weighted_sum(b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node, dense: fx.Node | None) -> fx.Node:
     """sum_b factor[b] * g_b in fp32, with padding rows masked out: of ``dense`` (g's
-    ``densify``, the tensor its norm was taken from) where g has one, else of g's rows."""
+    ``densify``, the tensor its norm was taken from) where g has one, else of g's rows. A float64
+    gradient is scaled in float64 and cast after (``ops.segment.scaling_dtype``: cast first, a kept
+    sample's value beyond fp32's range would be inf, and the sum inf or nan everywhere)."""
     if dense is not None:
-        return b(aten.einsum.default, "b,b...->...", [factor, _mask_rows(b, keep, _fp32(b, dense))])
+        acc = scaling_dtype(val(dense))
+        total = b(aten.einsum.default, "b,b...->...", [_as(b, factor, acc), _mask_rows(b, keep, _as(b, dense, acc))])
+        return _fp32(b, total)
     V, row = g.shape[0], list(g.shape[1:])
     indices, values, *owner = _concat_rows(b, g)
+    acc = scaling_dtype(val(values))
     if owner:  # packed: each row scaled by its unit's factor, a row of a unit not kept is 0 (even inf/nan)
         shape = [-1] + [1] * len(row)
-        factor_of_row = b(aten.view.default, b(aten.index_select.default, factor, 0, owner[0]), shape)
+        factor_of_row = b(aten.view.default, b(aten.index_select.default, _as(b, factor, acc), 0, owner[0]), shape)
         keep_of_row = b(aten.view.default, b(aten.index_select.default, keep, 0, owner[0]), shape)
-        scaled = b(aten.where.ScalarOther, keep_of_row, b(aten.mul.Tensor, _fp32(b, values), factor_of_row), 0.0)
+        scaled = b(aten.where.ScalarOther, keep_of_row, b(aten.mul.Tensor, _as(b, values, acc), factor_of_row), 0.0)
         zeros = b(aten.zeros.default, [V, *row], dtype=torch.float32, device=val(values).device)
-        return b(aten.index_add_.default, zeros, 0, indices, scaled)
+        return b(aten.index_add_.default, zeros, 0, indices, _fp32(b, scaled))
     B, n = val(indices).shape
-    scaled = b(aten.mul.Tensor, _mask_rows(b, keep, _fp32(b, values)), b(aten.view.default, factor, [B, 1] + [1] * len(row)))
+    scaled = b(aten.mul.Tensor, _mask_rows(b, keep, _as(b, values, acc)),
+               b(aten.view.default, _as(b, factor, acc), [B, 1] + [1] * len(row)))
+    scaled = _fp32(b, scaled)
     zeros = b(aten.zeros.default, [V, *row], dtype=torch.float32, device=val(values).device)
     # In place into fresh zeros: one (V, ...) buffer, not two (a large vocabulary's peak).
     return b(aten.index_add_.default, zeros, 0, b(aten.reshape.default, indices, [B * n]),

@@ -280,6 +280,55 @@ def test_dense_per_unit_rows_are_read_only_for_the_slots_present(present, dtype)
     torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("operand", ["a column slice", "rows starting off 16 bytes", "column-major"])
+def test_operands_the_grouped_matmul_cannot_take_as_they_lie_are_gathered_for_it(operand):
+    """The CPU's grouped matmul takes adjacent units' rows where they lie only from a row-major
+    operand whose rows start at multiples of 16 bytes; other operands (a column slice of a wider
+    tensor, one starting 4 bytes into its storage, a column-major one) are gathered first, and
+    the products are each unit's own."""
+    g = torch.Generator().manual_seed(9)
+    a, b = _rows()
+    if operand == "a column slice":
+        a = torch.randn(N, P + 2, generator=g)[:, :P]  # rows 72 bytes apart
+    elif operand == "rows starting off 16 bytes":
+        a = torch.randn(N, P + 4, generator=g)[:, 1:P + 1]  # 80 bytes apart, the first 4 bytes in
+    else:
+        a = torch.randn(P, N, generator=g).t()
+    unit, counts = _layout("sorted")
+    assert segment._adjacent(segment._units(unit, counts)[1]) and not segment._as_they_lie(a)
+    exact = _products(a, b, unit, counts)
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, 7)  # 7 units in 7 groups: the grouped matmul
+    torch.testing.assert_close(held.double(), exact[counts > 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.segment_outer(a, b, unit, counts).double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("capacity", [7, 2])
+def test_a_float64_unit_beyond_fp32s_range_is_scaled_before_its_cast(capacity):
+    """float64 per-unit gradients may lie beyond fp32's range with a finite norm: such a kept unit,
+    scaled by its factor (here 0: below fp32's smallest normal number, and 1e-40), comes to fp32
+    finite, and every other unit's contribution is its own; held or formed again alike, and for
+    dense per-unit rows."""
+    a, b = (x.double() for x in _rows())
+    unit, counts = _layout("sorted")
+    a[unit == 2] *= 1e22  # slot 2's product: entries near 1e44
+    b[unit == 2] *= 1e22
+    exact = _products(a, b, unit, counts)
+    assert bool((exact[2].abs().max() > 1e40) & torch.isfinite(exact.pow(2).sum()))
+    sq, held = ops.segment_outer_norms(a, b, unit, counts, capacity)
+    keep = counts > 0
+    for big in (0.0, 1e-40):
+        factor = torch.where(keep, 0.5, 0.0)
+        factor[2] = big
+        total = ops.segment_outer_clipped_sum(a, b, unit, counts, held, sq, factor.float(), keep)
+        want = (exact * factor.float().double()[:, None, None]).sum(0)
+        assert bool(torch.isfinite(total).all())
+        torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=1e-5)
+        total = ops.unit_weighted_sum(exact[:7], factor.float()[:7], keep[:7])
+        want = (exact[:7] * factor.float().double()[:7, None, None]).sum(0)
+        assert bool(torch.isfinite(total).all())
+        torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_padding_rows_are_never_read_wherever_they_lie(layout):
     """``clip`` gives the padding slot (the last) no count: its rows, wherever they lie, are skipped."""

@@ -241,11 +241,14 @@ def test_clipped_contribution_of_an_8m_entry_parameter_stays_within_c():
     assert norm >= C * (1 - 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_clip_factor_below_fp32s_smallest_normal_number_gives_no_contribution(packed):
+def test_a_clip_factor_below_fp32s_smallest_normal_number_gives_no_contribution(packed, dtype):
     """A per-sample gradient of norm ~1e40·C (finite in fp32: entries near 3e38) has a float64
     factor below 2**-126, which fp32 holds only as a subnormal, rounded with an error of up to
-    2**-150 / factor (5e-4 of it here): that sample contributes 0 instead, the other its own."""
+    2**-150 / factor (5e-4 of it here): that sample contributes 0 instead, the other its own.
+    In float64 its entries (1e42) lie beyond fp32's range: scaled before the cast to fp32, never
+    inf (inf times its factor 0 would be nan in every coordinate of the sum)."""
 
     class Outer(nn.Module):  # Σ_t v_t · W x_t with W = 0: the loss 0, the gradient Σ_t v_t x_tᵀ
         def __init__(self):
@@ -257,15 +260,16 @@ def test_a_clip_factor_below_fp32s_smallest_normal_number_gives_no_contribution(
             per_token = (self.fc(x) * v).sum(-1)
             return (per_token * (units[0] >= 0)).sum(1) if units else per_token.sum(1)
 
-    x = torch.ones(2, 1, 256)
-    v = torch.full((2, 1, 256), 3.0e38)
+    x = torch.ones(2, 1, 256, dtype=dtype)
+    v = torch.full((2, 1, 256), 3.0e38 if dtype == torch.float32 else 1e42, dtype=dtype)
     v[1] = 1e-3  # an ordinary sample: its gradient's norm 0.256, below C
-    model = Outer()
+    model = Outer().to(dtype)
+    config = lf.DPConfig(1.0, 0.0, compute_dtype=dtype)
     if packed:  # the two samples as two units, a row each
-        engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0), packed_units=2)
+        engine = lf.compile(model, config=config, packed_units=2)
         engine.accumulate(x, v, torch.tensor([[0], [1]]))
     else:
-        engine = lf.compile(model, config=lf.DPConfig(1.0, 0.0))
+        engine = lf.compile(model, config=config)
         engine.accumulate(x, v)
     assert 1e40 < float(engine.last_norms[0]) < float("inf")
     engine.finalize(logical(2, 1.0))
