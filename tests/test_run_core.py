@@ -80,6 +80,8 @@ def test_a_fresh_engine_refuses_an_older_checkpoint_of_the_runs_folder_and_a_for
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters()))  # nothing changed
     assert fresh.accountant.steps == 0 and sampler2.step == 0
 
+    with pytest.raises(ValueError, match="run_dir=None; pass the run's folder"):  # nothing to check it against
+        lf.load_checkpoint(run / "step-2", fresh, opt2, sampler2, run_dir=None)
     lf.load_checkpoint(run / "step-2", fresh, opt2, sampler2, run_dir=run, fork=True)
     assert fresh.epsilon(DELTA) == pytest.approx(_pld((SIGMA, 4)), rel=1e-6)  # both released branches' steps
     _steps(fresh, opt2, sampler2, 3)  # steps 3 and 4 again (the same batches), then 5

@@ -30,6 +30,7 @@ def claim_run_dir(job: Job) -> None:
     args = job.args
     if args.resume:
         job.checkpoint = load_latest(job.ckpt_folder)
+        _continue_in_out_folder(job)
         _take_saved_flags(args, job.checkpoint[0].get("args") or {})
         job.explicit_resume = True
         return
@@ -39,6 +40,21 @@ def claim_run_dir(job: Job) -> None:
     held = [name for name in _OUTPUTS if (job.run_dir / name).exists()]
     if held:
         job.restart_if_same = held
+
+
+def _continue_in_out_folder(job: Job) -> None:
+    """``--resume OLD --out NEW``: where NEW already holds checkpoints, they are this run's (a
+    session of this very command went on there, and a restart repeats the command), so the run
+    continues from the newer of the two folders; another run's checkpoints in NEW are refused."""
+    own = checkpoint_dir(job.run_dir)
+    if own.resolve() == job.ckpt_folder.resolve() or not list_checkpoints(own):
+        return
+    mine = load_latest(own)
+    if mine[0].get("signature") != job.checkpoint[0].get("signature"):
+        raise CLIError(f"--out {job.run_dir} holds checkpoints of another run than --resume {job.args.resume} "
+                       "(their data, model or flags differ): give a new --out to continue the resumed run there")
+    if mine[0]["step"] > job.checkpoint[0]["step"]:
+        job.checkpoint, job.ckpt_folder = mine, own
 
 
 def _take_saved_flags(args, saved: dict) -> None:

@@ -46,7 +46,7 @@ def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype,
     bound): the chunk's logits in the softmax's dtype (``logits_dtype``, at least fp32; softmax
     and gradient are formed in that buffer), their matmul output in h's dtype when it differs
     (cast from, and back to), and for low-precision h the fp32 copy of the gradient for the
-    accumulator; plus that fp32 (B or ``slots``, V, d) accumulator when w is not fp32; per unit
+    accumulator; plus that fp32 (B or ``slots``, V, d) accumulator when w is in low precision; per unit
     slot (dense), the chunk's rows sorted by unit (a copy of its gradient and hidden states);
     and the chunk's hidden rows as one (B·c, d) copy where the slice is strided. The rows form
     (``rows``) has no accumulator and no other copies: the chunk's gradient goes straight into
@@ -61,10 +61,11 @@ def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype,
     hidden_rows = chunk_rows * d_h * h.element_size() if B > 1 and chunk < T else 0
     if rows:
         return chunk_rows * V * (work.itemsize + cast) + hidden_rows
-    per_logit = work.itemsize + cast + (4 if h.dtype != torch.float32 else 0)
-    sorted_copy = chunk_rows * (V + d_h) * 4 if slots else 0
+    acc = _accumulator_dtype(w)
+    per_logit = work.itemsize + cast + (acc.itemsize if h.dtype != acc else 0)
+    sorted_copy = chunk_rows * (V + d_h) * max(4, h.element_size()) if slots else 0
     samples = slots or B
-    accumulator = samples * V * d * 4 if weight_grad and w.dtype != torch.float32 else 0
+    accumulator = samples * V * d * acc.itemsize if weight_grad and w.dtype != acc else 0
     return chunk_rows * V * per_logit + sorted_copy + accumulator + hidden_rows
 
 
@@ -141,7 +142,7 @@ class _HeadGrad:
         else:
             self.rows = None
             self.acc = torch.zeros(slots if units is not None else B, V if weight_grad else 0, d,
-                                   dtype=torch.float32, device=h.device)
+                                   dtype=_accumulator_dtype(w), device=h.device)
 
     def add(self, dz: Tensor, hc_rows: Tensor, start: int, stop: int) -> None:
         """Take one chunk's logits' gradient ``dz`` (B, c, V) and hidden rows ``hc_rows`` (B·c, d)."""
@@ -191,8 +192,14 @@ def _add_per_unit(per_unit: Tensor, dz: Tensor, h_rows: Tensor, units: Tensor) -
         start += n
 
 
+def _accumulator_dtype(w: Tensor) -> torch.dtype:
+    """The per-sample head gradient's accumulator: fp32, float64 for a float64 head (as the
+    unrewritten graph's matmul in float64)."""
+    return torch.promote_types(w.dtype, torch.float32)
+
+
 def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` (batched when ``acc`` is 3-d) into the float32 ``acc``.
+    """``acc += a @ b`` (batched when ``acc`` is 3-d) into ``acc`` (fp32, or float64).
 
     On CUDA, bf16 / fp16 factors go to the tensor cores as they are, accumulating in float32:
     the same products as upcasting them first (a product of two bf16 values is exact in
@@ -202,9 +209,9 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
     if acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
         (torch.baddbmm if acc.dim() == 3 else torch.addmm)(acc, a, b, out_dtype=torch.float32, out=acc)
     elif acc.dim() == 3:
-        acc.baddbmm_(a.float(), b.float())
+        acc.baddbmm_(a.to(acc.dtype), b.to(acc.dtype))
     else:
-        acc.addmm_(a.float(), b.float())
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 @lm_head_loss.register_fake

@@ -250,10 +250,12 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, m: _Match, chunk_rows: int) -
     h2d, wt = m.logits.args
     N, d = val(h2d).shape
     packing = Packing.of(gm, ctx, build) if ctx.packed_units else None
+    if packing is not None and (B, k) != (packing.rows, packing.T):
+        return  # the head reads other rows than the batch's positions (h[:, :-1]): ``per_sample`` refuses it by name
     rows = packing is not None and _rows_form(ctx, m, packing, val(wt).shape[1], d)
     target, ignore_index = m.nll.args[1], m.nll.args[4]
     grad_output = m.nll_backward.args[0]
-    logits_dtype = val(m.chain[-1] if m.chain else m.logits).dtype
+    logits_dtype = val(m.nll.args[0]).dtype  # the log-softmax's output: fp32 from fp16 logits under half_to_float
     chunk = max(1, chunk_rows // B)
     _hoist(grad_output, before=m.nll)
     with graph.inserting_before(m.nll):
@@ -310,11 +312,9 @@ def _replace_weight_grad(graph: fx.Graph, build: GraphBuilder, m: _Match, make) 
 
 def _rows_form(ctx: PassContext, m: _Match, packing: Packing, V: int, d: int) -> bool:
     """Whether the packed head's per-unit gradient should come as the logits' gradient rows (see the
-    module docstring): N·(V+d) < (U+1)·V·d, on a head trained alone (not tied) at cp = 1, whose
-    h rows are the packed batch's positions in ``units``' order."""
+    module docstring): N·(V+d) < (U+1)·V·d, on a head trained alone (not tied) at cp = 1 (its h
+    rows are the packed batch's positions in ``units``' order: ``_rewrite`` rewrites no other)."""
     if ctx.sp_size > 1 or len(m.grad_w) != 1 or not _reaches_output_alone(m.grad_w[0][0]):
-        return False
-    if (ctx.batch_size, m.rows_per_sample) != (packing.rows, packing.T):
         return False
     N = packing.rows * packing.T
     return N * (V + d) < (ctx.packed_units + 1) * V * d

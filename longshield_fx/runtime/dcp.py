@@ -54,11 +54,17 @@ def load(path, engine, optimizer, sampler=None, *, run_dir, fork: bool = False) 
 
     A checkpoint older than the newest step in the run ledger of ``run_dir`` (the run's folder,
     as given to ``save``) is refused, before anything is changed, unless ``fork=True``: the
-    fork's ε then covers every step in the ledger (``run_core.RunLedger``)."""
+    fork's ε then covers every step in the ledger (``run_core.RunLedger``). ``run_dir`` cannot be
+    None here: a load nothing checks could train again, unseen, steps already released."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from ..run_core import RunLedger
+
+    if run_dir is None:
+        raise ValueError(f"load_checkpoint({path}): run_dir=None; pass the run's folder (the run_dir given to "
+                         "save_checkpoint): its ledger is what a load is checked against, so that a state older than "
+                         "the steps already released is refused (or forked, fork=True) rather than trained again unseen")
 
     engine_only = {"engine": b""}  # first: a refused state must leave the model as it was (DCP loads in place)
     with _one_process_is_meant():

@@ -193,6 +193,26 @@ def test_the_same_command_after_its_newer_checkpoints_were_lost_is_refused_unles
     assert over.returncode == 2 and "starting over, is at step 0" in over.stderr, over.stderr
 
 
+def test_resume_into_another_out_goes_on_from_there_when_the_same_command_runs_again(short_run, tmp_path):
+    """``--resume OLD --out NEW`` writes its checkpoints into NEW; the same command again (a
+    restart, or what the stop message advises) goes on from NEW's newer checkpoint, where OLD's
+    older one alone would be refused by the ledger. Another run's checkpoints in NEW are refused."""
+    run, _ = short_run
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(run, old)
+    shutil.copytree(run, new)
+    (old / "checkpoints" / "ckpt-00000012.pt").unlink()  # OLD stopped at 10; the session in NEW took 11-12
+    again = run_in_process(["train", "--resume", old, "--out", new], tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed from {new / 'checkpoints' / 'ckpt-00000012.pt'} at step 12/12" in again.stdout + again.stderr
+    ckpt = new / "checkpoints" / "ckpt-00000012.pt"
+    state = torch.load(ckpt, weights_only=True)
+    state["signature"]["corpus"]["not_covered_by_dp"]["documents"] += 1
+    torch.save(state, ckpt)
+    other = run_in_process(["train", "--resume", old, "--out", new], tmp_path)
+    assert other.returncode == 2 and "holds checkpoints of another run" in other.stderr, other.stderr
+
+
 @pytest.mark.parametrize("change, named", [
     (["-T", "256"], "--seq-len 256 (the run has 128): this flag differs"),
     (["-T", "128", "--clipping", "per_layer"], "--clipping 'per_layer' (the run has 'flat'): this flag differs"),

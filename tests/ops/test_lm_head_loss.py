@@ -66,6 +66,21 @@ def test_bfloat16_rows_are_the_gradient_the_matmuls_read():
     torch.testing.assert_close(ours, per_slot.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_float64_heads_per_sample_gradient_is_summed_in_float64(packed):
+    """A float64 head (``compute_dtype=torch.float64``, float64 models): its per-sample (or
+    per-slot) gradients are the float64 sums of their positions' products, as the unrewritten
+    graph's float64 matmul gives them, not fp32 sums cast back."""
+    h, w, labels, grad, units = (x.double() if x.is_floating_point() else x for x in _inputs(runs=True))
+    _, _, per = lm_head_loss(h, w, labels, grad, 3, -100, torch.float64, True, *((units, U + 1) if packed else ()))
+    _, _, rows = lm_head_loss(h, w, labels, grad, 3, -100, torch.float64, True, None, 0, True)
+    assert per.dtype == torch.float64
+    owner = units.reshape(-1) if packed else torch.arange(B).repeat_interleave(T)
+    for s in range(per.shape[0]):
+        mine = owner == s
+        torch.testing.assert_close(per[s], rows[mine].t() @ h.reshape(-1, d)[mine], rtol=1e-12, atol=1e-12)
+
+
 def test_fake_shapes_match():
     h, w, labels, grad, units = _inputs()
     torch.library.opcheck(lm_head_loss, (h, w, labels, grad, 4, -100, torch.float32, True, None, 0, True))

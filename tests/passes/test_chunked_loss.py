@@ -128,6 +128,29 @@ def test_a_frozen_head_gets_no_per_sample_gradient():
     assert tuple(op.meta["val"][2].shape) == (3, 0, 64)
 
 
+def test_a_packed_head_on_other_rows_than_the_batchs_positions_is_refused_by_name():
+    """A packed model whose head reads h[:, :-1] (T - 1 rows a sample, not the batch's positions
+    that ``units`` names): the pass leaves it as it is, and the per-unit rule's absence is the
+    error, with its way out, as without the pass."""
+
+    class Shifted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32, bias=False)
+
+        def forward(self, ids, labels, positions, units):
+            logits = self.head(torch.tanh(self.emb(ids))[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:], reduction="none").sum(1)
+
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    units = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 2, 2, 2, 3, 3, 3]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [5, 6, 0, 1, 2, 0, 1, 2]])
+    for passes in ((), PLAIN):
+        engine = lf.compile(Shifted(), config=lf.DPConfig(0.5, 0.0), packed_units=3, disable_passes=passes)
+        with pytest.raises(lf.UnsupportedModelError, match="head.weight.*Way out"):
+            engine.per_sample_grads(ids, ids, positions, units)
+
+
 @pytest.mark.parametrize("kind", ["ref", "gpt2"])
 def test_packed_documents_head_gradients_are_per_unit_and_equal_each_unit_alone(kind):
     """Packed rows: chunks of 3 positions per row cut through units and hold several; units span
