@@ -160,6 +160,56 @@ def test_resuming_an_older_checkpoint_is_refused_unless_forked_and_a_fork_draws_
     assert copy["release"].startswith("a checkpoint's copy") and "NOT the run's final release" in copy["release"]
 
 
+def test_a_run_resumed_at_its_last_step_trains_no_further(folders, dp_run, tmp_path):
+    """checkpoint-6 is the run's last step (max_steps=6): resumed (a relaunched script), the
+    Trainer's loop would take a step more before its callback stops it, spending privacy beyond the
+    budget; DPTrainer refuses that step, and nothing is saved."""
+    root, model_dir, data = folders
+    script = PRIVATE.replace('eval_strategy="steps"', 'eval_strategy="no"').replace(
+        "trainer.train()", f"trainer.train(resume_from_checkpoint={str(root / 'dp' / 'checkpoint-6')!r})")
+    with pytest.raises(ValueError, match=r"has taken its 6 steps .*nothing was trained"):
+        run(script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "again"), SEED=SEED)
+    assert not (tmp_path / "again" / "checkpoint-7").exists()
+
+
+def test_evaluating_on_the_training_data_is_refused(folders, tmp_path):
+    """Evaluation metrics are logged beside ε without noise, as held-out data's: on the training
+    rows themselves (the same dataset, or one with its fingerprint) they are refused, before any
+    step when the Trainer would evaluate during training."""
+    root, model_dir, data = folders
+    script = PRIVATE.replace('eval_dataset=lm_dataset["test"]', 'eval_dataset=lm_dataset["train"]')
+    assert script != PRIVATE
+    with pytest.raises(ValueError, match=r"evaluation during training on the training data: .*without noise"):
+        run(script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "eval"), SEED=SEED)
+    assert not (tmp_path / "eval" / "checkpoint-3").exists()
+    scope = run(PRIVATE.split("trainer.train()")[0], MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "e2"),
+                SEED=SEED)
+    train = scope["lm_dataset"]["train"]
+    for rows in (train, {"mine": train}):
+        with pytest.raises(ValueError, match="evaluate on the training data"):
+            scope["trainer"].evaluate(rows)
+    with pytest.raises(ValueError, match="predict on the training data"):
+        scope["trainer"].predict(train)
+
+
+@pytest.mark.parametrize("service", ["clearml", "flyte"])
+def test_integrations_that_upload_checkpoint_folders_by_default_are_refused(service, folders, tmp_path,
+                                                                             monkeypatch):
+    """ClearML's callback uploads every checkpoint folder (the secret sampling key in it) unless
+    CLEARML_LOG_MODEL says not to; Flyte's always syncs them."""
+    monkeypatch.delenv("CLEARML_LOG_MODEL", raising=False)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[service], use_cpu=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders[1])
+    with pytest.raises(ValueError, match=rf"^DPTrainer: TrainingArguments\.report_to: {service} uploads checkpoint "
+                                         "folders, which hold the secret sampling key"):
+        DPTrainer(model=model, args=args, privacy=PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4))
+    if service == "clearml":
+        monkeypatch.setenv("CLEARML_LOG_MODEL", "false")
+        from longshield_fx.hf.arguments import refusals
+
+        assert not refusals(args)
+
+
 def test_the_trainers_privacy_json_has_the_clis_fields_and_labels(dp_run, folders):
     from longshield_fx.run_core import SAMPLE_RATE_DERIVED
 

@@ -134,12 +134,15 @@ def _artifact_uploads(args) -> list[str]:
     env = {k: os.environ.get(k, "").strip().lower() for k in
            ("WANDB_LOG_MODEL", "HF_MLFLOW_LOG_ARTIFACTS", "HF_DAGSHUB_LOG_ARTIFACTS", "COMET_LOG_ASSETS",
             "HF_DVCLIVE_LOG_MODEL", "CLEARML_LOG_MODEL")}
-    on = ("1", "true", "yes", "on", "all")
-    uploads = [("wandb", env["WANDB_LOG_MODEL"] == "checkpoint", "WANDB_LOG_MODEL=checkpoint"),
-               ("mlflow", env["HF_MLFLOW_LOG_ARTIFACTS"] in on, "HF_MLFLOW_LOG_ARTIFACTS"),
-               ("dagshub", env["HF_DAGSHUB_LOG_ARTIFACTS"] in on, "HF_DAGSHUB_LOG_ARTIFACTS"),
-               ("comet_ml", env["COMET_LOG_ASSETS"] in on, "COMET_LOG_ASSETS"),
-               ("dvclive", env["HF_DVCLIVE_LOG_MODEL"] in on, "HF_DVCLIVE_LOG_MODEL"),
-               ("clearml", env["CLEARML_LOG_MODEL"] in on, "CLEARML_LOG_MODEL")]
-    return [f"{name} with {setting} uploads checkpoint folders, which hold the secret sampling key; unset "
-            f"{setting.split('=')[0]}" for name, asked, setting in uploads if asked and (name in reports or "all" in reports)]
+    on, off = ("1", "true", "yes", "on", "all"), ("0", "false", "no", "off")
+    secret = "uploads checkpoint folders, which hold the secret sampling key"
+    uploads = [("wandb", env["WANDB_LOG_MODEL"] == "checkpoint", f"{secret}; unset WANDB_LOG_MODEL"),
+               ("mlflow", env["HF_MLFLOW_LOG_ARTIFACTS"] in on, f"{secret}; unset HF_MLFLOW_LOG_ARTIFACTS"),
+               ("dagshub", env["HF_DAGSHUB_LOG_ARTIFACTS"] in on, f"{secret}; unset HF_DAGSHUB_LOG_ARTIFACTS"),
+               ("comet_ml", env["COMET_LOG_ASSETS"] in on, f"{secret}; unset COMET_LOG_ASSETS"),
+               ("dvclive", env["HF_DVCLIVE_LOG_MODEL"] in on, f"{secret}; unset HF_DVCLIVE_LOG_MODEL"),
+               # ClearML's callback uploads them unless CLEARML_LOG_MODEL says not to (its default is TRUE)
+               ("clearml", env["CLEARML_LOG_MODEL"] not in off, f"{secret} unless told not to; set CLEARML_LOG_MODEL=false"),
+               ("flyte", True, f"{secret} (its callback syncs each one, which report_to cannot turn off); remove "
+                               "flyte from report_to")]
+    return [f"{name} {why}" for name, asked, why in uploads if asked and (name in reports or "all" in reports)]

@@ -92,6 +92,8 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         return DataLoader(range(len(self._sampler)), batch_size=1)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.args.eval_strategy != "no":
+            self._refuse_training_rows(self.eval_dataset, "evaluation during training")  # before any step
         self._resuming = resume_from_checkpoint not in (None, False)
         if self._resuming:
             self._check_ledger(resume_from_checkpoint)
@@ -218,6 +220,12 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The next Poisson logical batch, one per placeholder the Trainer's loop takes."""
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            # transformers' loop, resumed from a run's last step mid-epoch, takes one more step
+            # before its callback stops it: that step would spend privacy beyond the run's budget.
+            raise ValueError(f"DPTrainer: the run has taken its {self.state.max_steps} steps (max_steps, or "
+                             "num_train_epochs); another would spend privacy beyond the budget σ was set for, and "
+                             "nothing was trained. Its final model is in output_dir; to train on, start a new run")
         taken = [item for _, item in zip(range(num_batches), epoch_iterator)]
         if self._draws is None:  # after any checkpoint load: the sampler's stream is where it was saved
             self._draws = self._logical_batches()
@@ -277,15 +285,31 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         with self._whole_parameters():
             super().save_model(output_dir, _internal_call)
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, eval_dataset=None, *args, **kwargs):
+        self._refuse_training_rows(self.eval_dataset if eval_dataset is None else eval_dataset, "evaluate")
         self._record("evaluation")
         with self._whole_parameters():
-            return super().evaluate(*args, **kwargs)
+            return super().evaluate(eval_dataset, *args, **kwargs)
 
-    def predict(self, *args, **kwargs):
+    def predict(self, test_dataset, *args, **kwargs):
+        self._refuse_training_rows(test_dataset, "predict")
         self._record("prediction")
         with self._whole_parameters():
-            return super().predict(*args, **kwargs)
+            return super().predict(test_dataset, *args, **kwargs)
+
+    def _refuse_training_rows(self, data, what: str) -> None:
+        """Evaluation metrics are released without noise beside ε, as held-out data's: refused
+        when the data is the training set itself (the same object, or a ``datasets.Dataset`` with
+        its fingerprint), whose metrics would be noise-free statistics of the private rows."""
+        train = self.train_dataset
+        for name, part in (data.items() if isinstance(data, dict) else [(None, data)]):
+            same = part is not None and (part is train or (
+                getattr(part, "_fingerprint", None) is not None
+                and getattr(part, "_fingerprint", None) == getattr(train, "_fingerprint", None)))
+            if same:
+                raise ValueError(f"DPTrainer: {what} on the training data{f' ({name!r})' if name else ''}: its "
+                                 "metrics would be statistics of the private rows without noise, logged beside ε as "
+                                 "if held out; evaluate on data the model is not trained on")
 
     def privacy_record(self, final: bool = True) -> dict:
         """privacy.json: the guarantee of the model as trained so far (``run_core.privacy_record``);
@@ -300,8 +324,8 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
             self.engine, delta=self._delta, delta_given=p.delta is not None, unit=unit,
             sample_rate=self._sampler.sample_rate, sample_rate_chosen=p.sample_rate is not None, model=self.model,
             insecure_seed=p.insecure_seed, final=final,
-            not_covered="training losses (loss_not_dp) come from the data without noise; evaluation data is never "
-                        "trained on and is not protected by ε",
+            not_covered="training losses (loss_not_dp) come from the data without noise; evaluation data is not "
+                        "protected by ε (evaluating on the training data itself is refused)",
             privacy_arguments=arguments)
 
     def hyperparameter_search(self, *args, **kwargs):

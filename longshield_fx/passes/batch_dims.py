@@ -32,7 +32,9 @@ as a check on the longest sequence of the batch) are tagged ``None`` unchecked.
 Guarantees: in the forward, no op that a value of the step depends on combines rows of different samples; otherwise
 ``UnsupportedModelError`` names the op and the module it came from. In the backward, a
 reduction over the batch dimension is allowed and tagged ``None``: those are the
-weight-gradient reductions the ``per_sample`` pass rewrites. Forward and backward, no
+weight-gradient reductions the ``per_sample`` pass rewrites; a per-sample value computed from
+one (a tensor hook or a custom ``autograd.Function`` backward that normalises, centres or clips
+the gradient over the batch) is refused. Forward and backward, no
 per-sample value depends on the row a sample sits in: an op that moves rows along the batch
 dimension (flip, roll, index/index_select/gather/take over it), or that combines per-sample
 data with an untagged value whose entries differ along the dimension lined up with the batch
@@ -53,7 +55,7 @@ import torch.fx as fx
 from .._torch import BatchArg, OpOverload, dtensor_batch_dims
 from ..errors import UnsupportedModelError
 from ._context import PassContext
-from ._graph import is_backward, is_pointwise, module_of, val
+from ._graph import CONSTANT_LIKE, is_backward, is_pointwise, module_of, val
 from .row_variation import variation, varies
 
 aten = torch.ops.aten
@@ -105,6 +107,7 @@ def _tag_graph(gm: fx.GraphModule, kinds, B: int) -> fx.GraphModule:
             tag = BatchDim(0, 1)
         ph.meta["batch_dim"] = tag
     live = _reaching_outputs(gm.graph)
+    pooled: dict[fx.Node, fx.Node] = {}  # untagged values computed from samples -> the op that pooled them
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -112,9 +115,38 @@ def _tag_graph(gm: fx.GraphModule, kinds, B: int) -> fx.GraphModule:
             node.meta["batch_dim"] = None
             continue
         node.meta["batch_dim"] = _tag(node, B)
+        _no_pooled_value_flows_back(node, pooled)
         if node.meta["batch_dim"] is None and val(node) is not None:
             node.meta["varies"] = variation(node)
     return gm
+
+
+def _holds_samples(tag) -> bool:
+    return tag is not None and (not isinstance(tag, tuple) or any(t is not None for t in tag))
+
+
+def _no_pooled_value_flows_back(node: fx.Node, pooled: dict) -> None:
+    """The backward may reduce over the batch (a weight gradient, tagged None), but such a value
+    must only go on to parameters' gradients: per-sample data computed from it (a tensor hook or
+    a custom ``autograd.Function`` backward that normalises, centres or clips the gradient over
+    the whole batch) would make each sample's gradient depend on every other sample."""
+    if _holds_samples(batch_dim(node)):
+        source = next((i for i in node.all_input_nodes if i in pooled), None)
+        if source is not None:
+            raise UnsupportedModelError(
+                f"op {node.target} (node {node.name}) in {module_of(node)} mixes samples: it combines per-sample "
+                f"gradients with {source.name}, computed from a reduction over the batch ({pooled[source].target}, "
+                f"node {pooled[source].name}) in the backward (a tensor hook or a custom autograd.Function's backward), "
+                "so each sample's gradient would depend on the others. Way out: make the hook or backward act on each "
+                "sample's gradient alone (elementwise, or reducing over that sample's own dimensions), or remove it.")
+    elif val(node) is not None and node.target not in CONSTANT_LIKE:
+        source = next((i for i in node.all_input_nodes if i in pooled), None)
+        if source is not None:
+            pooled[node] = pooled[source]
+        elif is_backward(node) and any(_holds_samples(batch_dim(i)) for i in node.all_input_nodes):
+            # pooled here (the forward refuses pooling; the values some of its rules leave untagged,
+            # as nll_loss's total_weight, carry no sample into a per-sample value)
+            pooled[node] = node.args[0] if node.target is operator.getitem else node
 
 
 def _reaching_outputs(graph: fx.Graph) -> set[fx.Node]:

@@ -113,6 +113,50 @@ def test_mean_over_batch_is_rejected():
         lf.compile(Centered()).per_sample_grads(torch.randn(8, 4))
 
 
+class _CentredGradient(torch.autograd.Function):
+    """Identity forward; its backward centres the gradient over the batch."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("how", ["normalising hook", "custom backward", "elementwise hook"])
+def test_a_backward_that_mixes_samples_is_rejected(how):
+    """A tensor hook or a custom autograd.Function whose backward normalises or centres the
+    gradient over the whole batch makes each sample's gradient depend on the others: refused,
+    where the weight gradients' own reductions over the batch are not; a hook acting on each
+    element alone is exact against each sample alone."""
+
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.l1(x)
+            if how == "custom backward":
+                h = _CentredGradient.apply(h)
+            elif h.requires_grad:
+                h.register_hook((lambda g: g / g.norm()) if how == "normalising hook" else (lambda g: g.clamp(-0.5, 0.5)))
+            return self.l2(h).pow(2).sum((1, 2))
+
+    model, x = Hooked(), torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
+    if how == "elementwise hook":
+        ours = lf.compile(model).per_sample_grads(x)
+        for n, p in model.named_parameters():
+            alone = torch.stack([torch.autograd.grad(model(x[i:i + 1]).sum(), p)[0] for i in range(3)])
+            torch.testing.assert_close(ours[n], alone, rtol=1e-5, atol=1e-6)
+        return
+    with pytest.raises(lf.UnsupportedModelError, match="mixes samples: it combines per-sample gradients with .*"
+                                                       "reduction over the batch .* in the backward"):
+        lf.compile(model).per_sample_grads(x)
+
+
 def test_non_per_sample_loss_is_rejected():
     class MeanLoss(nn.Module):
         def __init__(self):
