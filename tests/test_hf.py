@@ -125,6 +125,12 @@ def test_resuming_a_checkpoint_folder_continues_the_run(folders, noiseless_run, 
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def _resuming(checkpoint) -> str:
+    """The private script, evaluating only at its end, resumed from ``checkpoint``."""
+    return PRIVATE.replace('eval_strategy="steps"', 'eval_strategy="no"').replace(
+        "trainer.train()", f"trainer.train(resume_from_checkpoint={str(checkpoint)!r})")
+
+
 def test_resuming_an_older_checkpoint_is_refused_unless_forked_and_a_fork_draws_fresh_noise(folders, dp_run,
                                                                                              tmp_path):
     """σ = 1: the DP run went on to step 6, so its checkpoint-3 is refused (the run ledger in its
@@ -137,8 +143,7 @@ def test_resuming_an_older_checkpoint_is_refused_unless_forked_and_a_fork_draws_
     from longshield_fx.run_core import RollbackRefused
 
     root, model_dir, data = folders
-    script = PRIVATE.replace('eval_strategy="steps"', 'eval_strategy="no"').replace(
-        "trainer.train()", f"trainer.train(resume_from_checkpoint={str(root / 'dp' / 'checkpoint-3')!r})")
+    script = _resuming(root / "dp" / "checkpoint-3")
     with pytest.raises(RollbackRefused, match=r"records step 6, released, and .*checkpoint-3 is at step 3.*PrivacyArguments\(fork=True\)"):
         run(script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "refused"), SEED=SEED)
     assert not (tmp_path / "refused" / "checkpoint-6").exists()
@@ -165,8 +170,7 @@ def test_a_run_resumed_at_its_last_step_trains_no_further(folders, dp_run, tmp_p
     Trainer's loop would take a step more before its callback stops it, spending privacy beyond the
     budget; DPTrainer refuses that step, and nothing is saved."""
     root, model_dir, data = folders
-    script = PRIVATE.replace('eval_strategy="steps"', 'eval_strategy="no"').replace(
-        "trainer.train()", f"trainer.train(resume_from_checkpoint={str(root / 'dp' / 'checkpoint-6')!r})")
+    script = _resuming(root / "dp" / "checkpoint-6")
     with pytest.raises(ValueError, match=r"has taken its 6 steps .*nothing was trained"):
         run(script, MODEL_DIR=model_dir, DATA=data, OUT=str(tmp_path / "again"), SEED=SEED)
     assert not (tmp_path / "again" / "checkpoint-7").exists()
