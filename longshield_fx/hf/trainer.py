@@ -303,10 +303,9 @@ class DPTrainerMixin(LedgerCheckpointsMixin, UnitBatchesMixin):
         its fingerprint), whose metrics would be noise-free statistics of the private rows."""
         train = self.train_dataset
         for name, part in (data.items() if isinstance(data, dict) else [(None, data)]):
-            same = part is not None and (part is train or (
-                getattr(part, "_fingerprint", None) is not None
-                and getattr(part, "_fingerprint", None) == getattr(train, "_fingerprint", None)))
-            if same:
+            fingerprint = getattr(part, "_fingerprint", None)
+            if part is not None and (part is train or (
+                    fingerprint is not None and fingerprint == getattr(train, "_fingerprint", None))):
                 raise ValueError(f"DPTrainer: {what} on the training data{f' ({name!r})' if name else ''}: its "
                                  "metrics would be statistics of the private rows without noise, logged beside ε as "
                                  "if held out; evaluate on data the model is not trained on")

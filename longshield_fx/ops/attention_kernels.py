@@ -11,18 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._dtypes import accumulation_dtype
+
 aten = torch.ops.aten
-
-
-def _lse_dtype(q: Tensor) -> torch.dtype:
-    """The dtype the kernels keep lse (and the ring its accumulators) in: their accumulation type,
-    fp32, and float64 for float64 inputs (the CPU kernel's backward takes lse in that dtype)."""
-    return torch.promote_types(q.dtype, torch.float32)
 
 
 def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
                allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Attention of one block -> (out, lse (B, H, Lq) natural log, in ``_lse_dtype``). ``allowed``
+    """Attention of one block -> (out, lse (B, H, Lq) natural log, in ``accumulation_dtype``). ``allowed``
     (B, 1, Lq, Lk) bool: the document mask (causality folded in); rows with no allowed key get lse = -inf."""
     bias = None if allowed is None else _bias(allowed, q)
     keyless_rows = bias is not None and not causal  # a diagonal (causal) block: every query sees itself
@@ -35,7 +31,7 @@ def _block_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
             lse = lse[..., : q.shape[2]]  # efficient attention pads lse to a multiple of 32
     else:
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-    lse = lse.to(_lse_dtype(q))
+    lse = lse.to(accumulation_dtype(q))
     return out, lse.masked_fill(~allowed.any(-1), float("-inf")) if keyless_rows else lse
 
 
@@ -79,7 +75,7 @@ def _cudnn(q: Tensor) -> bool:
 
 def _cudnn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
-    return out, lse.to(_lse_dtype(q)).reshape(q.shape[:3])
+    return out, lse.to(accumulation_dtype(q)).reshape(q.shape[:3])
 
 
 def _cudnn_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,

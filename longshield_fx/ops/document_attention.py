@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from .attention_kernels import (_block_bwd, _block_fwd, _cudnn, _cudnn_bwd, _cudnn_fwd, _expand_heads,
-                                _flash_layout, _lse_dtype, _reduce_heads)
+                                _flash_layout, _reduce_heads)
+from ._dtypes import accumulation_dtype
 from .ring_schedule import _ALL, _Documents
 
 aten = torch.ops.aten
@@ -230,7 +231,7 @@ def _cpu_runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tenso
     plan = _run_plan(segments, q.shape[1], q.shape[3])
     if plan is None or plan.rest is not None:  # every row, or most, one run: the kernel on the rows as they are
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-        out, lse = _in_flash_layout(out), _in_flash_layout(lse.to(_lse_dtype(q)))
+        out, lse = _in_flash_layout(out), _in_flash_layout(lse.to(accumulation_dtype(q)))
         if plan is not None:
             runs = _bucketed_fwd(plan, *(x.index_select(0, plan.rest) for x in (q, k, v)), scale)
             for whole, part in zip((out, lse), runs):
@@ -250,7 +251,7 @@ def _bucketed_fwd(plan: "_RunPlan", q: Tensor, k: Tensor, v: Tensor, scale: floa
             o, l = (_flat_result(x) for x in aten._scaled_dot_product_flash_attention_for_cpu(
                 *(b.gather(x) for x in flat), 0.0, True, scale=scale))
         outs.append(o)
-        lses.append(l.to(_lse_dtype(q)))
+        lses.append(l.to(accumulation_dtype(q)))
     return plan.scatter(outs, q.shape), plan.scatter(lses, q.shape[:3])
 
 
@@ -260,7 +261,7 @@ def _one_token_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tenso
     without a call for each of the many padding tokens)."""
     groups = q.shape[1] // k.shape[1]
     k, v = (x.repeat_interleave(groups, 1) for x in (k, v))
-    acc = _lse_dtype(q)
+    acc = accumulation_dtype(q)
     return v, (q.to(acc) * k.to(acc)).sum(-1) * scale
 
 
@@ -315,7 +316,7 @@ def _runs_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor) -
         return _varlen_fwd(q, k, v, scale, segments)
     if not len(rest):
         return _cudnn_fwd(q, k, v, True, scale)
-    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=_lse_dtype(q), device=q.device)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=accumulation_dtype(q), device=q.device)
     for rows, (o, l) in ((whole, _cudnn_fwd(*(x.index_select(0, whole) for x in (q, k, v)), True, scale)),
                          (rest, _varlen_fwd(*(x.index_select(0, rest) for x in (q, k, v)), scale,
                                             segments.index_select(0, rest)))):
@@ -348,7 +349,7 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: Tensor)
     out, lse, *_ = aten._flash_attention_forward(
         _tokens_major(q), _tokens_major(k), _tokens_major(v), cu, cu, longest, longest, 0.0, True, False,
         scale=scale)
-    return out.view(B, L, H, D).transpose(1, 2), lse.to(_lse_dtype(q)).view(H, B, L).transpose(0, 1)
+    return out.view(B, L, H, D).transpose(1, 2), lse.to(accumulation_dtype(q)).view(H, B, L).transpose(0, 1)
 
 
 def _varlen_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,

@@ -39,6 +39,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._dtypes import accumulation_dtype
+
 
 def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype, weight_grad: bool,
                     slots: int = 0, rows: bool = False) -> int:
@@ -61,7 +63,7 @@ def workspace_bytes(h: Tensor, w: Tensor, chunk: int, logits_dtype: torch.dtype,
     hidden_rows = chunk_rows * d_h * h.element_size() if B > 1 and chunk < T else 0
     if rows:
         return chunk_rows * V * (work.itemsize + cast) + hidden_rows
-    acc = _accumulator_dtype(w)
+    acc = accumulation_dtype(w)
     per_logit = work.itemsize + cast + (acc.itemsize if h.dtype != acc else 0)
     sorted_copy = chunk_rows * (V + d_h) * max(4, h.element_size()) if slots else 0
     samples = slots or B
@@ -142,7 +144,7 @@ class _HeadGrad:
         else:
             self.rows = None
             self.acc = torch.zeros(slots if units is not None else B, V if weight_grad else 0, d,
-                                   dtype=_accumulator_dtype(w), device=h.device)
+                                   dtype=accumulation_dtype(w), device=h.device)
 
     def add(self, dz: Tensor, hc_rows: Tensor, start: int, stop: int) -> None:
         """Take one chunk's logits' gradient ``dz`` (B, c, V) and hidden rows ``hc_rows`` (B·c, d)."""
@@ -190,12 +192,6 @@ def _add_per_unit(per_unit: Tensor, dz: Tensor, h_rows: Tensor, units: Tensor) -
     for slot, n in zip(present.tolist(), counts.tolist()):
         _add_product(per_unit[slot], dz_sorted[start:start + n].t(), h_sorted[start:start + n])
         start += n
-
-
-def _accumulator_dtype(w: Tensor) -> torch.dtype:
-    """The per-sample head gradient's accumulator: fp32, float64 for a float64 head (as the
-    unrewritten graph's matmul in float64)."""
-    return torch.promote_types(w.dtype, torch.float32)
 
 
 def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:

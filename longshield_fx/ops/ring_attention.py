@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._torch import resolve_process_group
-from .attention_kernels import (_block_bwd, _block_fwd, _empty_flash_layout, _expand_heads, _flash_layout, _lse_dtype,
-                                _reduce_heads)
+from ._dtypes import accumulation_dtype
+from .attention_kernels import _block_bwd, _block_fwd, _empty_flash_layout, _expand_heads, _flash_layout, _reduce_heads
 from .document_attention import _one_rank_bwd, _one_rank_fwd
 from .ring_schedule import _Documents, _sel, blocks_per_rank
 
@@ -160,7 +160,7 @@ def ring_attention(
     q: (B, Hq, L, D), k/v: (B, Hkv, L, D), L = T/cp. ``inner``: the inner ring size w of a
     double ring (0 or cp: one ring). ``segments`` (B, L) int64: the local tokens' document ids
     (packed documents, see the module docstring). Returns out (B, Hq, L, D) in q's dtype and
-    lse (B, Hq, L) (natural log) in fp32, float64 for float64 inputs (``_lse_dtype``)."""
+    lse (B, Hq, L) (natural log) in fp32, float64 for float64 inputs (``accumulation_dtype``)."""
     groups = _check_shapes(q, k, v, cp, segments)
     w = _inner_ring(cp, inner)
     if cp == 1:  # one block, one kernel call: nothing to merge
@@ -170,7 +170,7 @@ def ring_attention(
     group, rank = _resolve_group(group_name, cp)
     rings = _Rings(group, rank, cp, w)
     B, Hq, L, D = q.shape
-    acc = _lse_dtype(q)
+    acc = accumulation_dtype(q)
     acc_out = torch.zeros(B, Hq, L, D, dtype=acc, device=q.device)
     acc_lse = torch.full((B, Hq, L), float("-inf"), dtype=acc, device=q.device)
     outer_kv = torch.stack([k, v])  # travels un-repeated
@@ -208,7 +208,7 @@ def _(q, k, v, scale, group_name, cp, inner=0, segments=None):
     _check_shapes(q, k, v, cp, segments)
     _inner_ring(cp, inner)
     B, Hq, L, _ = q.shape
-    return _empty_flash_layout(q.shape, q), _empty_flash_layout((B, Hq, L), q, _lse_dtype(q))
+    return _empty_flash_layout(q.shape, q), _empty_flash_layout((B, Hq, L), q, accumulation_dtype(q))
 
 
 @torch.library.custom_op("longshield::ring_attention_backward", mutates_args=())
@@ -231,14 +231,14 @@ def ring_attention_backward(
     w = _inner_ring(cp, inner)
     grad_out = grad_out.to(q.dtype)
     out = out.to(q.dtype)
-    lse = lse.to(_lse_dtype(q))
+    lse = lse.to(accumulation_dtype(q))
     if cp == 1:
         grads = _one_rank_bwd(grad_out, q, k, v, out, lse, scale, segments, groups)
         last_block_counts.update(backward=blocks_per_rank(1)[0], backward_calls=1, backward_skipped=0)
         return grads
     group, rank = _resolve_group(group_name, cp)
     rings = _Rings(group, rank, cp, w)
-    dq = torch.zeros(q.shape, dtype=_lse_dtype(q), device=q.device)
+    dq = torch.zeros(q.shape, dtype=accumulation_dtype(q), device=q.device)
     outer_kv = torch.stack([k, v])
     outer_dkv_ex = None
     docs = _Documents.gathered(segments, group, cp)
@@ -249,7 +249,7 @@ def ring_attention_backward(
         for i in range(w):
             ex = rings.inner_exchange(kv) if i < w - 1 else None
             kk, vv = _expand_heads(kv[0], groups), _expand_heads(kv[1], groups)
-            dkv = torch.zeros(kv.shape, dtype=_lse_dtype(q), device=q.device)
+            dkv = torch.zeros(kv.shape, dtype=accumulation_dtype(q), device=q.device)
             src = rings.source(o, i)
             for qs, ks, causal, n, allowed, rows in docs.plan(cp, rank, src):
                 dq_b, dk_b, dv_b = _block_bwd(

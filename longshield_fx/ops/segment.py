@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .._torch import grouped_mm
+from ._dtypes import accumulation_dtype
 
 _CHUNK = 2 ** 22  # elements in one temporary (a float64 copy, a group of products): 32 MiB in float64
 _PIECE = 2 ** 16  # elements in one float64 copy for a norm on the CPU: 512 KiB, in cache
@@ -346,7 +347,7 @@ def segment_outer_clipped_sum(a: torch.Tensor | None, b: torch.Tensor | None, un
             index = take.nonzero().flatten()
             rows, scale = rows.index_select(0, index), scale.index_select(0, index)
         if rows.shape[0]:
-            acc = scaling_dtype(rows)
+            acc = accumulation_dtype(rows)
             out.add_(torch.mv(rows.to(acc).t(), scale.to(acc)))
 
     add(held[:kept], chosen[:kept], f[:kept])
@@ -407,18 +408,10 @@ def unit_weighted_sum(x: torch.Tensor, factor: torch.Tensor, keep: torch.Tensor)
         return out.view(x.shape[1:])
     per, cols = _pieces(slots.numel(), rows.shape[1], x.device)  # upcast copies small enough to stay in cache
     cols = cols if per >= slots.numel() else max(1, cols // slots.numel())  # k x cols in a piece
-    acc = scaling_dtype(x)
+    acc = accumulation_dtype(x)
     for j in range(0, rows.shape[1], cols):
         out[j:j + cols] = torch.mv(rows[:, j:j + cols].index_select(0, slots).to(acc).t(), f.to(acc))
     return out.view(x.shape[1:])
-
-
-def scaling_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype per-unit gradients are scaled and summed in before the fp32 result: fp32 (bf16 and
-    fp16 values are exact in it), float64 for float64 ones, whose values may lie beyond fp32's range
-    while their norm is finite: cast before the scaling, such a kept unit would be inf, and inf times
-    its factor inf or nan in every coordinate of the sum."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 @unit_weighted_sum.register_fake

@@ -56,7 +56,7 @@ import torch.fx as fx
 from .._torch import c10d
 from ._context import CP_SHARD_DIM, PER_SAMPLE_GRAD, PassContext
 from ._graph import GraphBuilder, eliminate_dead_code, val
-from ..ops.segment import scaling_dtype
+from ..ops._dtypes import accumulation_dtype
 from .ghost_norm import outer_operands, products_held
 from .per_sample import PerSampleGrad, Rewriter
 
@@ -479,15 +479,15 @@ def _rows_sq_norm(b, indices: fx.Node, values: fx.Node, owner: fx.Node | None = 
 def _weighted_sum(b, g: PerSampleGrad, factor: fx.Node, keep: fx.Node, dense: fx.Node | None) -> fx.Node:
     """sum_b factor[b] * g_b in fp32, with padding rows masked out: of ``dense`` (g's
     ``densify``, the tensor its norm was taken from) where g has one, else of g's rows. A float64
-    gradient is scaled in float64 and cast after (``ops.segment.scaling_dtype``: cast first, a kept
+    gradient is scaled in float64 and cast after (``ops._dtypes.accumulation_dtype``: cast first, a kept
     sample's value beyond fp32's range would be inf, and the sum inf or nan everywhere)."""
     if dense is not None:
-        acc = scaling_dtype(val(dense))
+        acc = accumulation_dtype(val(dense))
         total = b(aten.einsum.default, "b,b...->...", [_as(b, factor, acc), _mask_rows(b, keep, _as(b, dense, acc))])
         return _fp32(b, total)
     V, row = g.shape[0], list(g.shape[1:])
     indices, values, *owner = _concat_rows(b, g)
-    acc = scaling_dtype(val(values))
+    acc = accumulation_dtype(val(values))
     if owner:  # packed: each row scaled by its unit's factor, a row of a unit not kept is 0 (even inf/nan)
         shape = [-1] + [1] * len(row)
         factor_of_row = b(aten.view.default, b(aten.index_select.default, _as(b, factor, acc), 0, owner[0]), shape)
